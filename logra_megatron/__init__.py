@@ -1,0 +1,18 @@
+"""logra_megatron: memory-efficient RL post-training of LLMs on Megatron-Core.
+
+Layers of the package: ``platform`` (device and the CPU adapter), ``parallel`` (process groups
+and layout), ``models`` (the decoder family), ``logra`` (gradient sketches, sketch-space
+optimizer, predicted-KL control), ``rl`` (rollouts, rewards, GRPO trainer).
+"""
+
+__version__ = "0.1.0"
+
+import os as _os
+import warnings as _warnings
+
+# megatron-core warns at import time about every optional CUDA library it lacks, and asks for
+# CUDA_DEVICE_MAX_CONNECTIONS=1 (its recommended setting) on every async all-reduce.
+for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                 "full scope is deprecated", "When using async grad allreduce"):
+    _warnings.filterwarnings("ignore", message=_message)
+_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -1,0 +1,72 @@
+"""Checkpoints through Megatron's ``dist_checkpointing``: save at one TP/PP, load at another.
+
+A checkpoint directory holds the sharded tensors (torch_dist format) and ``model_config.json``
+(our :class:`ModelConfig`), so a loader can build the right model before reading weights.
+Optimizer and trainer state are added to the same sharded state dict by their owners.
+"""
+
+import json
+import os
+
+import torch.distributed as dist
+
+from logra_megatron.errors import UserError
+from logra_megatron.models import ModelConfig
+
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def save_model_config(model_config: ModelConfig, directory: str) -> None:
+    """Write ``model_config.json`` (rank 0 only)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, MODEL_CONFIG_FILE), "w") as handle:
+            json.dump(model_config.to_dict(), handle, indent=2)
+
+
+def load_model_config(directory: str) -> ModelConfig:
+    """Read a checkpoint's ``model_config.json``; a clear error if the checkpoint is missing."""
+    check_checkpoint_dir(directory)
+    with open(os.path.join(directory, MODEL_CONFIG_FILE)) as handle:
+        return ModelConfig.from_dict(json.load(handle))
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """Raise a :class:`UserError` unless ``directory`` looks like one of our checkpoints."""
+    if not os.path.isdir(directory):
+        raise UserError(f"checkpoint directory not found: {directory}")
+    if not os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE)):
+        raise UserError(f"{directory} is not a logra_megatron checkpoint (no {MODEL_CONFIG_FILE})")
+
+
+def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_sharded: dict = None) -> None:
+    """Save ``model`` (one rank's shard, collective over all ranks) and its config.
+
+    ``extra_sharded`` is merged into the sharded state dict (optimizer, trainer state).
+    """
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    state = {"model": model.sharded_state_dict()}
+    if extra_sharded:
+        state.update(extra_sharded)
+    dist_checkpointing.save(state, directory)
+    save_model_config(model_config, directory)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(directory: str, model, extra_sharded: dict = None) -> dict:
+    """Load a checkpoint into ``model`` at the current layout (any TP/PP); returns the loaded
+    state dict so that owners of ``extra_sharded`` entries can restore theirs."""
+    from megatron.core import dist_checkpointing
+
+    check_checkpoint_dir(directory)
+    request = {"model": model.sharded_state_dict()}
+    if extra_sharded:
+        request.update(extra_sharded)
+    loaded = dist_checkpointing.load(request, directory)
+    model.load_state_dict(loaded["model"], strict=True)
+    return loaded

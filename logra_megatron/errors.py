@@ -1,0 +1,27 @@
+"""User-facing errors: bad input ends a command with one clear line on stderr, not a traceback."""
+
+import functools
+import os
+import sys
+
+
+class UserError(Exception):
+    """An error caused by the user's input (a flag, a file, a layout) with a message that says
+    what to change. Entry points turn it into one line on stderr and exit code 2."""
+
+
+def exit_on_user_error(main):
+    """Decorate an entry point so that a :class:`UserError` prints ``error: <message>`` and exits
+    with status 2 instead of raising a traceback."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as error:
+            # Under torchrun every rank finds the same error; one line is enough.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper

@@ -1,0 +1,144 @@
+"""ModelConfig -> Megatron ``TransformerConfig`` + GPT layer ``ModuleSpec`` -> ``GPTModel``.
+
+The layer spec is Megatron's seam between how a layer is wired and which implementation fills
+each slot: the local (pure megatron-core) spec by default, Transformer Engine's when it imports
+on a CUDA machine. LoGRA swaps its sketching linears in through this same spec.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from logra_megatron.models.config import ModelConfig
+from logra_megatron.platform import cuda_available
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (it needs CUDA)."""
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(
+    model: ModelConfig,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+    recompute: bool = False,
+):
+    """The Megatron ``TransformerConfig`` for ``model`` at the given layout and precision.
+
+    Fusions that need CUDA kernels are off; dropout is off (RL fine-tuning does not use it and it
+    keeps runs deterministic). ``use_cpu_initialization`` makes the initial weights independent
+    of the TP layout: the full matrix is drawn from one seeded generator and then split.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    on_cuda = cuda_available()
+    return TransformerConfig(
+        num_layers=model.layers,
+        hidden_size=model.hidden,
+        num_attention_heads=model.heads,
+        num_query_groups=model.kv_heads,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=init_std,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=on_cuda,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def gpt_layer_spec(use_transformer_engine: Optional[bool] = None):
+    """The GPT layer ``ModuleSpec``: Transformer Engine's when requested (default: when it
+    imports), otherwise the local megatron-core spec with RMSNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    config=None,
+    layer_spec=None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+):
+    """Build this rank's part of the model (its pipeline stage, its TP shard).
+
+    ``config`` defaults to :func:`transformer_config` at the current parallel layout;
+    ``layer_spec`` to :func:`gpt_layer_spec`. The output logits stay vocab-parallel.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if config is None:
+        config = transformer_config(
+            model,
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    if layer_spec is None:
+        layer_spec = gpt_layer_spec()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=model.padded_vocab(config.tensor_model_parallel_size),
+        max_sequence_length=model.max_seq,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+    )
+
+
+def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
+    """Megatron's boolean attention mask for causal LM: shape [1, 1, s, s], True = masked."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions 0..s-1 for every row of a [batch, s] token tensor."""
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)

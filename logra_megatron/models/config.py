@@ -1,0 +1,128 @@
+"""The decoder-only model family we train: Llama, Qwen2 and Mistral style transformers.
+
+All three are the same network up to a few switches (RMSNorm, SwiGLU MLP, rotary positions,
+grouped-query attention; Qwen2 adds a QKV bias; small models tie the input embedding to the
+output layer), so one dataclass describes them and named presets give published dimensions.
+"""
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
+
+from logra_megatron.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions and switches of one decoder-only transformer. Validated on construction."""
+
+    hidden: int
+    """Width of the residual stream."""
+    layers: int
+    """Number of transformer layers."""
+    heads: int
+    """Query attention heads."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than ``heads``)."""
+    ffn_hidden: int
+    """Inner width of the SwiGLU MLP (each of the gate and up projections)."""
+    vocab: int
+    """Vocabulary size (Megatron pads it for tensor parallelism; see ``padded_vocab``)."""
+    max_seq: int = 2048
+    """Longest sequence the rotary embedding is built for."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projection (Qwen2 family)."""
+    head_dim: Optional[int] = None
+    """Per-head width; ``None`` means hidden / heads."""
+    family: str = "llama"
+    """Which Hugging Face architecture this mirrors: llama, qwen2 or mistral."""
+
+    def __post_init__(self):
+        for field in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq"):
+            if getattr(self, field) < 1:
+                raise UserError(f"model {field} must be positive, got {getattr(self, field)}")
+        if self.heads % self.kv_heads != 0:
+            raise UserError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim is None and self.hidden % self.heads != 0:
+            raise UserError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.family not in ("llama", "qwen2", "mistral"):
+            raise UserError(f"unknown model family {self.family!r}; use llama, qwen2 or mistral")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    def padded_vocab(self, tensor_parallel: int = 1, multiple: int = 128) -> int:
+        """Vocab rounded up so every TP rank holds an equal slice (Megatron's convention)."""
+        step = multiple * tensor_parallel
+        return ((self.vocab + step - 1) // step) * step
+
+    def num_parameters(self) -> int:
+        """Parameter count (unpadded vocab)."""
+        q = self.heads * self.kv_channels
+        kv = 2 * self.kv_heads * self.kv_channels
+        attention = self.hidden * (q + kv) + q * self.hidden + (q + kv if self.qkv_bias else 0)
+        mlp = 3 * self.hidden * self.ffn_hidden
+        per_layer = attention + mlp + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        return self.layers * per_layer + embeddings + self.hidden
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(f"unknown model config keys: {', '.join(unknown)}")
+        return cls(**values)
+
+    def with_changes(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+
+PRESETS = {
+    # Small enough for CPU tests and the demo: 4 layers so PP=2 and PP=4 split it, 4 heads and
+    # 2 kv heads so TP=2 splits both.
+    "tiny": ModelConfig(hidden=64, layers=4, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
+                        max_seq=256, family="llama"),
+    # HuggingFaceTB/SmolLM2-135M(-Instruct).
+    "smollm2-135m": ModelConfig(hidden=576, layers=30, heads=9, kv_heads=3, ffn_hidden=1536,
+                                vocab=49152, max_seq=8192, rope_theta=100000.0, norm_eps=1e-5,
+                                tie_embeddings=True, family="llama"),
+    # Qwen/Qwen2.5-0.5B.
+    "qwen2.5-0.5b": ModelConfig(hidden=896, layers=24, heads=14, kv_heads=2, ffn_hidden=4864,
+                                vocab=151936, max_seq=32768, rope_theta=1000000.0, norm_eps=1e-6,
+                                tie_embeddings=True, qkv_bias=True, family="qwen2"),
+    # Qwen/Qwen2.5-1.5B.
+    "qwen2.5-1.5b": ModelConfig(hidden=1536, layers=28, heads=12, kv_heads=2, ffn_hidden=8960,
+                                vocab=151936, max_seq=32768, rope_theta=1000000.0, norm_eps=1e-6,
+                                tie_embeddings=True, qkv_bias=True, family="qwen2"),
+    # Qwen/Qwen2.5-7B.
+    "qwen2.5-7b": ModelConfig(hidden=3584, layers=28, heads=28, kv_heads=4, ffn_hidden=18944,
+                              vocab=152064, max_seq=32768, rope_theta=1000000.0, norm_eps=1e-6,
+                              qkv_bias=True, family="qwen2"),
+    # meta-llama/Meta-Llama-3-8B.
+    "llama3-8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336,
+                             vocab=128256, max_seq=8192, rope_theta=500000.0, norm_eps=1e-5,
+                             family="llama"),
+    # The 27B-class target of the memory planner: Qwen/Qwen2.5-32B (32.8B parameters), the
+    # largest published model of our supported families near the paper's 27B.
+    "qwen2.5-32b": ModelConfig(hidden=5120, layers=64, heads=40, kv_heads=8, ffn_hidden=27648,
+                               vocab=152064, max_seq=32768, rope_theta=1000000.0, norm_eps=1e-5,
+                               qkv_bias=True, family="qwen2"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The named preset, or a :class:`UserError` that lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UserError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

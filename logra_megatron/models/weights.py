@@ -1,0 +1,105 @@
+"""Full (TP=1, PP=1) tensors <-> this rank's shards, for weights and gradients.
+
+A rank holds its pipeline stage's layers (numbered locally from 0) and, for tensor-parallel
+parameters, one slice along ``param.partition_dim``. These helpers translate both ways with
+global layer names, so tests can compare any layout against TP=1 and tools can load a full
+state dict at any layout. One subtlety: the SwiGLU ``linear_fc1`` weight of a TP rank is
+``[gate_k; up_k]``, so the full ``[gate; up]`` matrix is split (and gathered) per half.
+"""
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from logra_megatron import parallel
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def layer_offset(model) -> int:
+    """Global index of this stage's first transformer layer."""
+    return model.config.num_layers // parallel.pp_size() * parallel.pp_rank()
+
+
+def global_name(local_name: str, offset: int) -> str:
+    """``decoder.layers.<i>.x`` (stage-local) -> ``decoder.layers.<i + offset>.x``."""
+    match = _LAYER.match(local_name)
+    if match is None:
+        return local_name
+    return f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
+
+
+def _is_swiglu_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+    """This TP rank's slice of the full tensor for ``param`` (unchanged if not TP-split)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, rank, size = param.partition_dim, parallel.tp_rank(), parallel.tp_size()
+    if _is_swiglu_fc1(name):
+        gate, up = torch.chunk(full, 2, dim=dim)
+        return torch.cat([torch.chunk(gate, size, dim)[rank], torch.chunk(up, size, dim)[rank]], dim)
+    return torch.chunk(full, size, dim=dim)[rank]
+
+
+def gather_full(local: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+    """The full tensor assembled from every TP rank's ``local`` slice (collective over TP)."""
+    if not getattr(param, "tensor_model_parallel", False) or parallel.tp_size() == 1:
+        return local.detach().clone()
+    dim = param.partition_dim
+    pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
+    dist.all_gather(pieces, local.detach().contiguous(), group=parallel.tp_group())
+    if _is_swiglu_fc1(name):
+        gates, ups = zip(*(torch.chunk(p, 2, dim=dim) for p in pieces))
+        return torch.cat([torch.cat(gates, dim), torch.cat(ups, dim)], dim)
+    return torch.cat(pieces, dim=dim)
+
+
+def full_state(model, what: str = "param") -> dict:
+    """Every parameter (``what="param"``) or its gradient (``"grad"``, read from ``.grad`` or
+    Megatron DDP's ``.main_grad``) as full tensors under global names, on every rank.
+
+    Collective over TP and PP. With tied embeddings the last stage's copy of the embedding
+    (``output_layer.weight``) is left out, as in a TP=1, PP=1 model.
+    """
+    offset = layer_offset(model)
+    mine = {}
+    for name, param in model.named_parameters():
+        name = name.removeprefix("module.")
+        if what == "param":
+            tensor = param
+        else:
+            tensor = getattr(param, "main_grad", None)
+            if tensor is None:
+                tensor = param.grad
+            if tensor is None:
+                tensor = torch.zeros_like(param)
+        full = gather_full(tensor, param, name)
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            continue
+        mine[global_name(name, offset)] = full
+    if parallel.pp_size() == 1:
+        return mine
+    stages = [None] * parallel.pp_size()
+    dist.all_gather_object(stages, mine, group=parallel.pp_group())
+    merged = {}
+    for stage in stages:
+        merged.update(stage)
+    return merged
+
+
+@torch.no_grad()
+def load_full_state(model, state: dict) -> None:
+    """Copy full tensors (global names, TP=1 layout) into this rank's parameters."""
+    offset = layer_offset(model)
+    for name, param in model.named_parameters():
+        name = name.removeprefix("module.")
+        key = global_name(name, offset)
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            key = "embedding.word_embeddings.weight"
+        if key not in state:
+            raise KeyError(f"state has no tensor for {key}")
+        param.copy_(shard_of(state[key], param, name))

@@ -1,0 +1,125 @@
+"""Smoke job: build a preset, run forward/backward through Megatron's pipeline schedule and a few
+Adam steps with Megatron's DDP and optimizer, print the loss of each step.
+
+    torchrun --nproc-per-node 2 -m logra_megatron.smoke --tensor-model-parallel-size 2
+
+It proves an install end to end on CPU or GPU; the RL trainer is the main job.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from logra_megatron.cli import ArgumentParser
+from logra_megatron.errors import UserError, exit_on_user_error
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(prog="logra_megatron.smoke", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", help="model preset name (default: tiny)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--train-iters", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--load", default=None, help="checkpoint directory to start from")
+    args = parser.parse_args(argv)
+    for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def validate(args, world_size: int):
+    """Everything that can be checked before a process group starts."""
+    from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
+    from logra_megatron.models import get_preset
+    from logra_megatron.parallel import ParallelLayout
+
+    if args.load:
+        check_checkpoint_dir(args.load)
+        model_config = load_model_config(args.load)
+    else:
+        model_config = get_preset(args.preset)
+    layout = ParallelLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, world_size)
+    layout.check_model(model_config.layers, model_config.heads, model_config.kv_heads,
+                       model_config.ffn_hidden, model_config.vocab, args.preset)
+    per_step = args.micro_batch_size * layout.data_parallel
+    if args.global_batch_size % per_step != 0:
+        raise UserError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch "
+            f"size x data-parallel size = {per_step}"
+        )
+    if args.seq_length + 1 > model_config.max_seq:
+        raise UserError(f"--seq-length {args.seq_length} exceeds the model's max_seq {model_config.max_seq}")
+    return model_config, layout
+
+
+def run(args) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from logra_megatron import parallel
+    from logra_megatron.checkpoint import load_checkpoint
+    from logra_megatron.models import build_gpt_model, transformer_config
+    from logra_megatron.training.lm import lm_forward_backward
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    model_config, layout = validate(args, world_size)
+    parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
+    config = transformer_config(model_config, layout.tensor_parallel, layout.pipeline_parallel)
+    model = build_gpt_model(model_config, config)
+    if args.load:
+        load_checkpoint(args.load, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    model = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False), [model])
+
+    # The same synthetic batch on every rank; each DP replica takes its own slice.
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
+                           generator=generator)
+    per_replica = args.global_batch_size // layout.data_parallel
+    mine = tokens[parallel.dp_rank() * per_replica : (parallel.dp_rank() + 1) * per_replica]
+
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        print(f"smoke: preset={args.preset} params={model_config.num_parameters():,} "
+              f"tp={layout.tensor_parallel} pp={layout.pipeline_parallel} dp={layout.data_parallel}",
+              flush=True)
+    losses = []
+    for step in range(args.train_iters):
+        start = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = lm_forward_backward(model, mine, args.micro_batch_size)
+        _, grad_norm, _ = optimizer.step()
+        losses.append(loss)
+        if rank0:
+            print(f"step {step + 1}/{args.train_iters} loss {loss:.6f} grad_norm {grad_norm:.4f} "
+                  f"time {time.perf_counter() - start:.2f}s", flush=True)
+    return losses
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(argv)
+    from logra_megatron import parallel
+
+    try:
+        losses = run(args)
+        if torch.distributed.get_rank() == 0:
+            print(f"smoke: ok, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    finally:
+        parallel.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,64 @@
+"""Next-token language-modeling loss through Megatron's pipeline schedule.
+
+One function runs forward (and backward) over a global batch split into microbatches with
+``get_forward_backward_func``, at any TP/PP layout, and returns the mean loss agreed on every
+rank. The smoke job, tests and the supervised warm-up use it.
+"""
+
+import torch
+
+from logra_megatron import parallel
+from logra_megatron.models import causal_attention_mask, position_ids_for
+
+
+def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Mean over unmasked tokens of one microbatch (Megatron's 2-tuple loss contract: the
+    schedule divides by the number of microbatches)."""
+    mask = loss_mask.float()
+    loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
+                        forward_only: bool = False, loss_mask: torch.Tensor = None) -> float:
+    """Mean LM loss of ``tokens`` ([batch, seq], the same on every rank of a DP replica).
+
+    Inputs are ``tokens[:, :-1]``, labels ``tokens[:, 1:]``. With ``forward_only=False`` the
+    gradients (mean over microbatches) are accumulated into the model. Returns the loss on every
+    rank (computed on the last stage, broadcast over the pipeline, averaged over DP).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch, length = tokens.shape
+    if batch % micro_batch_size != 0:
+        raise ValueError(f"batch {batch} is not a multiple of micro batch size {micro_batch_size}")
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.float)
+    else:
+        loss_mask = loss_mask[:, 1:].float()
+    mask = causal_attention_mask(length - 1)
+    microbatches = [
+        (inputs[i : i + micro_batch_size], labels[i : i + micro_batch_size],
+         loss_mask[i : i + micro_batch_size])
+        for i in range(0, batch, micro_batch_size)
+    ]
+
+    def forward_step(data_iterator, model):
+        mb_inputs, mb_labels, mb_mask = next(data_iterator)
+        output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
+        return output, lambda out: _lm_loss(mb_mask, out)
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=length - 1,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    mean = 0.0
+    if parallel.is_last_stage():
+        mean = float(sum(item["lm loss"] for item in losses) / len(losses))
+    return parallel.agree_on_scalar(mean)

@@ -1,0 +1,32 @@
+"""logra_megatron: Megatron-Core backend for memory-efficient RL post-training (LoGRA)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="logra_megatron",
+    version="0.1.0",
+    description="LoGRA low-rank gradient sketches and predicted-KL step control on Megatron-Core",
+    packages=find_packages(include=["logra_megatron", "logra_megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # A range, never a pin: launch scripts install torch==2.13.0 (the CPU wheel) first on a
+        # machine without CUDA so that pip does not pull a CUDA build to satisfy this.
+        "torch>=2.4",
+        # 0.17+ needs Python 3.12; 0.16.1 is what the project is tested with.
+        "megatron-core==0.16.1",
+        "numpy",
+        "packaging",
+        "psutil",  # megatron dist_checkpointing's async filesystem strategy
+        "tqdm",  # megatron's static inference engine; our progress bars
+        "sentencepiece",
+        "tensorboard",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout"],
+        "hf": ["transformers>=4.45", "safetensors", "gguf", "accelerate"],
+        # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
+        # README. Transformer Engine needs CUDA to install and import.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
