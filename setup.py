@@ -23,7 +23,9 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7"],
+        # Verifiable-reward tasks and answer checking for the RL trainer.
+        "rl": ["reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "hf": ["transformers>=4.45", "safetensors", "gguf", "accelerate"],
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
         # README. Transformer Engine needs CUDA to install and import.

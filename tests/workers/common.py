@@ -1,0 +1,39 @@
+"""Worker-side helpers: run named checks, record JSON-able results per rank.
+
+A worker script must keep its work under ``if __name__ == "__main__":``: dist_checkpointing's
+save spawns helper processes that re-import the main module.
+"""
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+class Checks:
+    """Collects results of named checks; a check that raises records its traceback instead of
+    ending the worker, so every other check still reports."""
+
+    def __init__(self):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--out", required=True)
+        self.args, self.extra = parser.parse_known_args()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.results = {}
+
+    def run(self, name, fn, *args, **kwargs):
+        try:
+            self.results[name] = fn(*args, **kwargs)
+        except Exception:
+            self.results[name] = {"error": traceback.format_exc()}
+            if os.environ.get("LOGRA_TEST_FAIL_FAST"):
+                raise
+        return self.results[name]
+
+    def save(self):
+        path = Path(self.args.out) / f"rank{self.rank}.json"
+        path.write_text(json.dumps(self.results, default=float))
