@@ -19,6 +19,7 @@ setup(
         "psutil",  # megatron dist_checkpointing's async filesystem strategy
         "tqdm",  # megatron's static inference engine; our progress bars
         "sentencepiece",
+        "tokenizers",  # HF tokenizer.json files
         "tensorboard",
         "pyyaml",
     ],

@@ -44,9 +44,10 @@ def validate(args):
     from logra_megatron.convert.hf_io import HFWeights, check_hf_dir, check_output_dir, read_hf_config
     from logra_megatron.convert.runtime import check_layout
 
-    check_hf_dir(args.hf_dir)
+    if not os.path.isdir(args.hf_dir):
+        check_hf_dir(args.hf_dir)  # raises: the folder does not exist
     hf_config = read_hf_config(args.hf_dir)
-    model = model_config_from_hf(hf_config)
+    model = model_config_from_hf(hf_config)  # the architecture, before looking for weights
     weights = HFWeights(args.hf_dir)
     check_hf_names(weights, model)
     check_output_dir(args.save, "--save")

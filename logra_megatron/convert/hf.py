@@ -161,7 +161,8 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None,
     if base is None:
         from transformers import AutoConfig
 
-        base = AutoConfig.for_model(model.family, **values).to_dict()
+        settings = {k: v for k, v in values.items() if k != "model_type"}
+        base = AutoConfig.for_model(model.family, **settings).to_dict()
         base.pop("transformers_version", None)
     config = dict(base)
     if "head_dim" not in config and model.head_dim is None:

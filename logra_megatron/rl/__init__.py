@@ -1,6 +1,7 @@
 """Reinforcement learning on verifiable rewards (GRPO), one idea per module.
 
 - ``tasks``: prompt records; the embedded arithmetic task and offline reasoning-gym tasks.
+- ``sampling`` / ``rollout``: sampling ``G`` completions per prompt from the current policy.
 - ``rewards``: a registry of ``reward(prompt_record, completion_text) -> float``.
 - ``advantages``: GRPO group-normalized advantages.
 - ``losses``: the token-level clipped surrogate, KL-to-reference estimators, and log-probs /

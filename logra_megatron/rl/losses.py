@@ -230,10 +230,8 @@ def _resolve_group(group):
     return None
 
 
-def _group_size_and_rank(group):
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+def _rank_in(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=None) -> torch.Tensor:
@@ -267,10 +265,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, temperature, group):
-        size, rank = _group_size_and_rank(group)
         local_vocab = logits.shape[-1]
         shifted, global_max = _shifted_logits(logits, temperature, group)
-        local_index, owned = _local_target(target, rank * local_vocab, local_vocab)
+        local_index, owned = _local_target(target, _rank_in(group) * local_vocab, local_vocab)
 
         target_shifted = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1)
         target_shifted = torch.where(owned, target_shifted, torch.zeros_like(target_shifted))

@@ -38,6 +38,7 @@ import threading
 from typing import Callable, Optional
 
 from logra_megatron.errors import UserError
+from logra_megatron.rl.tasks import make_tasks  # noqa: F401  (tasks and their rewards go together)
 
 RewardFn = Callable[[dict, str], float]
 _REWARDS: dict = {}

@@ -1,0 +1,77 @@
+"""LoGRA settings: one documented dataclass, validated on construction."""
+
+from dataclasses import dataclass
+from typing import Union
+
+from logra_megatron.errors import UserError
+
+MOMENT_POLICIES = ("rotate", "reset")
+
+
+@dataclass(frozen=True)
+class LogRAConfig:
+    """How weight gradients are sketched and how the sketch-space Adam behaves."""
+
+    rank: Union[int, float] = 0.25
+    """Sketch rank r per weight: an integer, or a fraction in (0, 1] of the projected dimension
+    (the in-features of a column-parallel weight, the out-features of a row-parallel one)."""
+    refresh_interval: int = 10
+    """Refresh every projection every K optimizer steps with a randomized range finder computed
+    in that step's backward; the new basis takes effect from the next step. Step 0 always runs
+    the range finder, so the random initial basis is used for one step only."""
+    oversampling: int = 4
+    """Extra columns p of the range finder's Gaussian test matrix (r + p in all)."""
+    second_moment: str = "rotate"
+    """Second moment across a refresh: "rotate" carries it into the new basis with the squared
+    coefficients of the first moment's rotation (how a variance transforms; it stays
+    non-negative); "reset" restarts it and its bias correction. The first moment is always
+    rotated. "rotate" is the default: with "reset" the rotated first moment is divided by a
+    one-sample second moment and the step blows up (tests/test_logra_training.py measures both
+    on the same task)."""
+    zero1: bool = False
+    """Distributed (ZeRO-1 style) mode: reduce-scatter the sketches over data parallel, keep one
+    slice of the sketch-space Adam state per DP rank, all-gather the low-rank update. The dense
+    remainder then uses Megatron's distributed optimizer."""
+    identity_projection: bool = False
+    """Use the identity as the (full-rank) projection and never refresh: sketch-space Adam is
+    then exactly dense Adam. For tests of the optimizer's plumbing."""
+    seed: int = 1234
+    """Seeds the initial projections and the range finder's test matrices (per weight name),
+    so every rank that shares a projection builds the same one."""
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, float)):
+            raise UserError(f"--logra-rank must be an integer or a fraction, got {self.rank!r}")
+        if isinstance(self.rank, int) and self.rank < 1:
+            raise UserError(f"--logra-rank must be >= 1, got {self.rank}")
+        if isinstance(self.rank, float) and not 0.0 < self.rank <= 1.0:
+            raise UserError(f"--logra-rank as a fraction must be in (0, 1], got {self.rank}")
+        if self.refresh_interval < 1:
+            raise UserError(f"--logra-refresh-interval must be a positive number of steps, got {self.refresh_interval}")
+        if self.oversampling < 0:
+            raise UserError(f"--logra-oversampling must be >= 0, got {self.oversampling}")
+        if self.second_moment not in MOMENT_POLICIES:
+            raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
+
+    def rank_for(self, projected_dim: int, weight_name: str) -> int:
+        """The rank used for a weight whose projected side has ``projected_dim`` rows."""
+        if isinstance(self.rank, float):
+            return max(1, round(self.rank * projected_dim))
+        if self.rank > projected_dim:
+            raise UserError(
+                f"--logra-rank {self.rank} is larger than the matrix: {weight_name} projects a "
+                f"dimension of {projected_dim}; use a rank <= {projected_dim} or a fraction"
+            )
+        return self.rank
+
+
+def parse_rank(text: str) -> Union[int, float]:
+    """``"16"`` -> 16, ``"0.25"`` -> 0.25 (for command-line flags)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(f"--logra-rank must be an integer or a fraction, got {text!r}") from None

@@ -1,0 +1,123 @@
+"""Gradient sketches written directly by a linear layer's backward.
+
+For ``Y = X W^T`` (``W`` is ``m x n``, ``X`` is ``T x n``) the dense weight gradient is
+``G = dY^T X``. It is never formed; instead the backward accumulates
+
+- a **right** sketch ``S = G Q = dY^T (X Q)`` (``m x r``, projection ``Q`` is ``n x r``), used for
+  column-parallel weights (each TP rank holds rows of ``W``; ``Q`` is shared, so the ranks'
+  sketches are exactly the row blocks of the TP=1 sketch), or
+- a **left** sketch ``S = P^T G = (dY P)^T X`` (``r x n``, ``P`` is ``m x r``), used for
+  row-parallel weights (each rank holds columns of ``W``; ``P`` is shared).
+
+Both cost two thin matmuls, ``2 T r (m + n)`` FLOPs instead of ``2 T m n``. Microbatches add
+into the same sketch (it is linear in ``G``). On a refresh step the same backward also
+accumulates the range-finder sample ``G Omega`` (left) or ``G^T Omega`` (right) for the next
+projection (see :mod:`logra_megatron.logra.projection`).
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+LEFT, RIGHT = "left", "right"
+
+
+class LinearSketch:
+    """The sketch state of one weight shard: projection, sketch accumulator, range finder.
+
+    ``out_features`` x ``in_features`` is this rank's shard of the weight. ``projection`` is
+    ``in_features x r`` (right) or ``out_features x r`` (left); the full, unsharded projected
+    dimension is never split (that is why each side is chosen for its parallel type).
+    """
+
+    def __init__(self, name: str, side: str, out_features: int, in_features: int,
+                 projection: torch.Tensor, sketch: torch.Tensor):
+        assert side in (LEFT, RIGHT)
+        self.name = name
+        self.side = side
+        self.out_features = out_features
+        self.in_features = in_features
+        self.projection = projection
+        self.sketch = sketch
+        # Range finder (only during a refresh step): this rank's rows of the Gaussian test
+        # matrix and the accumulated sample.
+        self.test_matrix: Optional[torch.Tensor] = None
+        self.range_sample: Optional[torch.Tensor] = None
+
+    @property
+    def rank(self) -> int:
+        return self.projection.shape[1]
+
+    @staticmethod
+    def sketch_shape(side: str, out_features: int, in_features: int, rank: int):
+        return (out_features, rank) if side == RIGHT else (rank, in_features)
+
+    @torch.no_grad()
+    def accumulate(self, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Add this microbatch's sketch: ``grad_output`` is ``T x out``, ``inputs`` ``T x in``."""
+        grad_output = grad_output.float()
+        inputs = inputs.float()
+        if self.side == RIGHT:
+            self.sketch.addmm_(grad_output.t(), inputs @ self.projection)
+        else:
+            self.sketch.addmm_((grad_output @ self.projection).t(), inputs)
+        if self.test_matrix is not None:
+            if self.side == RIGHT:
+                # G^T Omega = X^T (dY Omega), Omega has this rank's out rows.
+                self.range_sample.addmm_(inputs.t(), grad_output @ self.test_matrix)
+            else:
+                # G Omega = dY^T (X Omega), Omega has this rank's in rows.
+                self.range_sample.addmm_(grad_output.t(), inputs @ self.test_matrix)
+
+    def update_from(self, low_rank_update: torch.Tensor) -> torch.Tensor:
+        """Map a sketch-space update back to this weight shard's full size."""
+        if self.side == RIGHT:
+            return low_rank_update @ self.projection.t()
+        return self.projection @ low_rank_update
+
+
+class _SketchedLinearFunction(torch.autograd.Function):
+    """``output = input @ weight^T (+ bias)``; the backward returns the input (and bias)
+    gradient and, for the weight, only feeds the layer's :class:`LinearSketch`.
+
+    ``anchor`` is a zero-size tensor that requires grad, so the backward runs even when
+    neither the input nor the (frozen-to-autograd) weight requires grad.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, anchor, sketch_owner, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.sketch_owner = sketch_owner
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        ctx.has_bias = bias is not None
+        output = torch.matmul(input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        handle = None
+        if ctx.allreduce_dgrad:
+            # Column-parallel: the input was replicated across TP, its gradient is the sum.
+            handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        sketch = ctx.sketch_owner.logra_sketch
+        if sketch is not None:
+            sketch.accumulate(grad_2d, input.reshape(-1, input.shape[-1]))
+        grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, None, grad_bias, None, None, None, None
+
+
+def sketched_linear(input, weight, bias, sketch_owner, allreduce_dgrad: bool, tp_group):
+    """Apply the sketching linear function; ``sketch_owner.logra_sketch`` (may be None) is read
+    at backward time, so the optimizer can attach or swap it between steps."""
+    return _SketchedLinearFunction.apply(
+        input, weight, bias, sketch_owner.logra_anchor, sketch_owner, allreduce_dgrad, tp_group
+    )

@@ -1,0 +1,142 @@
+"""LoGRA checks on 4 gloo ranks, all against a TP=1 reference from the same initial weights:
+TP=2 (same sketches, same weights after 3 steps), DP vs the combined batch, PP=2, TP=2xPP=2,
+ZeRO-1 vs all-reduce, and a checkpoint saved at TP=2 resumed at TP=1."""
+
+import torch
+from common import Checks
+
+from logra_megatron import parallel
+from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
+from logra_megatron.logra import LogRAConfig
+from logra_megatron.models import get_preset
+from logra_megatron.models.weights import full_state, gather_full, load_full_state
+from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+
+MODEL = get_preset("tiny")
+STEPS = 3
+# Refresh every 2 steps: steps 0 and 2 run the range finder, so the run crosses a basis change.
+LOGRA = LogRAConfig(rank=8, refresh_interval=2, oversampling=4)
+
+
+def settings(distributed=False):
+    return OptimizerSettings(kind="logra", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
+                             distributed=distributed)
+
+
+def gathered_sketches(model, optimizer):
+    """Full (TP=1-shaped) sketches by global name; collective over TP."""
+    out = {}
+    for entry in optimizer.weights:
+        out[entry.name] = gather_full(entry.sketch.sketch, entry.weight, entry.name)
+    return out
+
+
+def max_rel(a: dict, b: dict):
+    errors = {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def main():
+    checks = Checks()
+    tokens = torch.randint(0, MODEL.vocab, (8, 17), generator=torch.Generator().manual_seed(3))
+
+    def run(tp, pp, split_batch=False, distributed=False, steps=STEPS, initial=None, probe=None):
+        parallel.initialize(tp, pp, seed=77)
+        model, ddp, optimizer = build_trainable(MODEL, settings(distributed), LOGRA)
+        load_full_state(model, initial if initial is not None else reference_initial)
+        batch = tokens
+        if split_batch:
+            per = tokens.shape[0] // parallel.dp_size()
+            batch = tokens[parallel.dp_rank() * per : (parallel.dp_rank() + 1) * per]
+        first_sketches = None
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            lm_forward_backward(ddp, batch, micro_batch_size=2)
+            if step == 0:
+                first_sketches = gathered_sketches(model, optimizer)
+                if probe:
+                    probe(model, optimizer)
+            optimizer.step()
+        return model, ddp, optimizer, first_sketches
+
+    # --- TP=1 reference ------------------------------------------------------------------------
+    parallel.initialize(1, 1, seed=1)
+    from logra_megatron.training.setup import build_trainable as _build
+
+    reference_initial = full_state(_build(MODEL, settings(), LOGRA)[0])
+    no_dense_grads = {}
+
+    def record_no_grads(model, optimizer):
+        for entry in optimizer.weights:
+            weight = entry.weight
+            no_dense_grads[entry.name] = (weight.grad is None and not hasattr(weight, "main_grad")
+                                          and not weight.requires_grad)
+
+    ref_model, _, ref_opt, ref_sketches = run(1, 1, probe=record_no_grads)
+    reference_final = full_state(ref_model)
+    checks.results["no_dense_grad_for_sketched_weights"] = no_dense_grads
+    checks.results["sketched_weights"] = len(ref_opt.weights)
+    checks.results["reference_moved"] = max_rel(reference_final, reference_initial)[0]
+    checks.results["refreshes_done"] = ref_opt.refreshes_done
+
+    def compare(tp, pp, **kwargs):
+        model, _, optimizer, sketches = run(tp, pp, **kwargs)
+        final = full_state(model)
+        weight_err, worst = max_rel(final, reference_final)
+        result = {"weight_rel_err": weight_err, "worst": worst,
+                  "refreshes_done": optimizer.refreshes_done}
+        if not kwargs.get("split_batch"):
+            result["sketch_rel_err"] = max_rel(
+                {k: v for k, v in sketches.items()}, {k: ref_sketches[k] for k in sketches})[0]
+        return result
+
+    checks.run("tp2", compare, 2, 1)
+    checks.run("dp4_split_batch", compare, 1, 1, split_batch=True)
+    checks.run("tp2_dp2_split_batch", compare, 2, 1, split_batch=True)
+    checks.run("pp2", compare, 1, 2)
+    checks.run("tp2_pp2", compare, 2, 2)
+    checks.run("zero1_dp4", compare, 1, 1, split_batch=True, distributed=True)
+    checks.run("zero1_tp2_dp2", compare, 2, 1, split_batch=True, distributed=True)
+
+    # --- checkpoint at TP=2 after 2 steps, resume at TP=1 for the 3rd ----------------------------
+    ckpt = f"{checks.args.out}/logra_ckpt"
+
+    def save_then_continue():
+        model, ddp, optimizer, _ = run(2, 1, steps=2)
+        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict())}
+        save_checkpoint(ckpt, model, MODEL, extra_sharded=extra)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, tokens, micro_batch_size=2)
+        optimizer.step()
+        continued.update(full_state(model))
+        return True
+
+    continued = {}
+    checks.run("ckpt_save_tp2", save_then_continue)
+
+    def resume_at_tp1():
+        parallel.initialize(1, 1, seed=5)
+        model, ddp, optimizer = build_trainable(MODEL, settings(), LOGRA)
+        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)}
+        loaded = load_checkpoint(ckpt, model, extra_sharded=extra)
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        resumed_step = optimizer.step_count
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, tokens, micro_batch_size=2)
+        optimizer.step()
+        error, worst = max_rel(full_state(model), continued)
+        return {"weight_rel_err": error, "worst": worst, "resumed_step": resumed_step,
+                "vs_reference": max_rel(full_state(model), reference_final)[0]}
+
+    checks.run("ckpt_resume_tp1", resume_at_tp1)
+    checks.save()
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
