@@ -1,5 +1,5 @@
 """Smoke job: build a preset, run forward/backward through Megatron's pipeline schedule and a few
-Adam steps with Megatron's DDP and optimizer, print the loss of each step.
+optimizer steps (Megatron's dense Adam, or LoGRA) with Megatron's DDP, print each step's loss.
 
     torchrun --nproc-per-node 2 -m logra_megatron.smoke --tensor-model-parallel-size 2
 
@@ -28,6 +28,10 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--load", default=None, help="checkpoint directory to start from")
+    parser.add_argument("--optimizer", choices=("adam", "logra"), default="adam",
+                        help="Megatron dense Adam, or LoGRA sketch-space Adam")
+    parser.add_argument("--logra-rank", default="0.25", help="sketch rank: integer or fraction")
+    parser.add_argument("--logra-refresh-interval", type=int, default=10)
     args = parser.parse_args(argv)
     for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters"):
         if getattr(args, name) < 1:
@@ -38,6 +42,7 @@ def parse_args(argv=None):
 def validate(args, world_size: int):
     """Everything that can be checked before a process group starts."""
     from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
+    from logra_megatron.logra import LogRAConfig, parse_rank
     from logra_megatron.models import get_preset
     from logra_megatron.parallel import ParallelLayout
 
@@ -57,30 +62,25 @@ def validate(args, world_size: int):
         )
     if args.seq_length + 1 > model_config.max_seq:
         raise UserError(f"--seq-length {args.seq_length} exceeds the model's max_seq {model_config.max_seq}")
-    return model_config, layout
+    logra_config = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval)
+    if args.optimizer == "logra":
+        logra_config.check_model(model_config)
+    return model_config, layout, logra_config
 
 
 def run(args) -> list:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
-    from logra_megatron.models import build_gpt_model, transformer_config
     from logra_megatron.training.lm import lm_forward_backward
+    from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model_config, layout = validate(args, world_size)
+    model_config, layout, logra_config = validate(args, world_size)
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
-    config = transformer_config(model_config, layout.tensor_parallel, layout.pipeline_parallel)
-    model = build_gpt_model(model_config, config)
+    bare_model, model, optimizer = build_trainable(
+        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config)
     if args.load:
-        load_checkpoint(args.load, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
-    model = DistributedDataParallel(config, ddp_config, model)
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False), [model])
+        load_checkpoint(args.load, bare_model)
 
     # The same synthetic batch on every rank; each DP replica takes its own slice.
     generator = torch.Generator().manual_seed(args.seed)
@@ -92,15 +92,14 @@ def run(args) -> list:
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
         print(f"smoke: preset={args.preset} params={model_config.num_parameters():,} "
-              f"tp={layout.tensor_parallel} pp={layout.pipeline_parallel} dp={layout.data_parallel}",
+              f"tp={layout.tensor_parallel} pp={layout.pipeline_parallel} dp={layout.data_parallel} "
+              f"optimizer={args.optimizer}",
               flush=True)
     losses = []
     for step in range(args.train_iters):
         start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = lm_forward_backward(model, mine, args.micro_batch_size)
-        _, grad_norm, _ = optimizer.step()
+        loss, grad_norm = train_step(model, optimizer,
+                                     lambda m: lm_forward_backward(m, mine, args.micro_batch_size))
         losses.append(loss)
         if rank0:
             print(f"step {step + 1}/{args.train_iters} loss {loss:.6f} grad_norm {grad_norm:.4f} "

@@ -15,14 +15,15 @@ def run(args, timeout=300):
                           env=ENV, cwd=REPO)
 
 
-def test_smoke_job_trains_at_tp2():
+@pytest.mark.parametrize("optimizer", ["adam", "logra"])
+def test_smoke_job_trains_at_tp2(optimizer):
     proc = run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "logra_megatron.smoke",
-                "--tensor-model-parallel-size", "2", "--train-iters", "4"])
+                "--tensor-model-parallel-size", "2", "--train-iters", "4", "--optimizer", optimizer])
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4
     assert losses[-1] < losses[0]
-    assert "tp=2 pp=1 dp=1" in proc.stdout
+    assert f"tp=2 pp=1 dp=1 optimizer={optimizer}" in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -33,6 +34,8 @@ def test_smoke_job_trains_at_tp2():
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
     (["--micro-batch-size", "3"], "must be a multiple of micro batch size"),
     (["--seq-length", "1000"], "exceeds the model's max_seq"),
+    (["--optimizer", "logra", "--logra-rank", "100"], "--logra-rank 100 is larger than the matrix"),
+    (["--logra-refresh-interval", "-1"], "must be a positive number of steps"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     proc = run(["-m", "logra_megatron.smoke", *args])

@@ -65,6 +65,15 @@ class LogRAConfig:
         return self.rank
 
 
+    def check_model(self, model) -> None:
+        """Raise a :class:`UserError` now if the rank does not fit the model (a ModelConfig).
+
+        Every sketched weight projects a dimension of ``hidden``: the input of linear_qkv and
+        linear_fc1 (right sketches) and the output of linear_proj and linear_fc2 (left ones).
+        """
+        self.rank_for(model.hidden, f"every sketched weight (hidden size {model.hidden})")
+
+
 def parse_rank(text: str) -> Union[int, float]:
     """``"16"`` -> 16, ``"0.25"`` -> 0.25 (for command-line flags)."""
     try:

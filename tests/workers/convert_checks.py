@@ -4,6 +4,10 @@
 * gathering the sharded model back (``full_state``) and mapping to HF reproduces every HF
   tensor bitwise at TP=2 and PP=2;
 * a dist checkpoint saved at TP=2 loads at PP=2 and TP=1 with the same logits.
+
+Everything runs under ``main()``: dist_checkpointing's save starts a multiprocessing manager
+with the spawn method, which re-imports this script; unguarded top-level code would run again
+in that process and deadlock the save.
 """
 
 import os
@@ -21,69 +25,76 @@ from logra_megatron.convert.reference import load_hf_model  # noqa: E402
 from logra_megatron.convert.runtime import build_model, forward_logits  # noqa: E402
 from logra_megatron.models.weights import full_state, load_full_state  # noqa: E402
 
-checks = Checks()
-MODELS = dict(item.split("=", 1) for item in checks.extra)
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
 CKPT_MODELS = ("qwen2_tied", "llama_untied_hd32")
-tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
-
-configs = {name: model_config_from_hf(read_hf_config(path)) for name, path in MODELS.items()}
-weights = {name: HFWeights(path) for name, path in MODELS.items()}
-with torch.no_grad():
-    reference = {name: load_hf_model(path)(input_ids=tokens).logits.float()
-                 for name, path in MODELS.items()}
 
 
-def logits_error(model, name) -> dict:
-    logits = forward_logits(model, tokens, configs[name].vocab)
-    if logits is None:
-        return {"last_stage": False}
-    return {"last_stage": True, "max_abs_diff": float((logits - reference[name]).abs().max()),
-            "scale": float(reference[name].abs().max())}
+class Fixture:
+    """The tiny models' configs, lazily read weights and HF reference logits."""
+
+    def __init__(self, models: dict):
+        self.paths = models
+        self.configs = {name: model_config_from_hf(read_hf_config(path)) for name, path in models.items()}
+        self.weights = {name: HFWeights(path) for name, path in models.items()}
+        self.tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            self.reference = {name: load_hf_model(path)(input_ids=self.tokens).logits.float()
+                              for name, path in models.items()}
+
+    def logits_error(self, model, name) -> dict:
+        logits = forward_logits(model, self.tokens, self.configs[name].vocab)
+        if logits is None:
+            return {"last_stage": False}
+        return {"last_stage": True,
+                "max_abs_diff": float((logits - self.reference[name]).abs().max()),
+                "scale": float(self.reference[name].abs().max())}
+
+    def converted(self, name, tp):
+        config = self.configs[name]
+        model = build_model(config)
+        load_full_state(model, MegatronView(self.weights[name], config, config.padded_vocab(tp)))
+        return model
+
+    def gathered_roundtrip(self, model, name) -> dict:
+        back = megatron_to_hf(full_state(model), self.configs[name])
+        original = {key: self.weights[name][key] for key in self.weights[name]}
+        return {"names_differ": sorted(set(back) ^ set(original)),
+                "tensors_differ": sorted(k for k in original
+                                         if k in back and not torch.equal(back[k], original[k]))}
 
 
-def converted(name, tp):
-    config = configs[name]
-    model = build_model(config)
-    load_full_state(model, MegatronView(weights[name], config, config.padded_vocab(tp)))
-    return model
+def main():
+    checks = Checks()
+    fx = Fixture(dict(item.split("=", 1) for item in checks.extra))
+    ckpt = {name: os.path.join(checks.args.out, f"ckpt_{name}") for name in CKPT_MODELS}
 
+    for tp, pp in LAYOUTS:
+        parallel.initialize(tp, pp, seed=100 + tp * 10 + pp)
+        for name in fx.paths:
+            model = checks.run(f"build_{name}_tp{tp}_pp{pp}", fx.converted, name, tp)
+            if isinstance(model, dict):  # the build raised; its traceback stays recorded
+                continue
+            checks.results.pop(f"build_{name}_tp{tp}_pp{pp}")
+            checks.run(f"logits_{name}_tp{tp}_pp{pp}", fx.logits_error, model, name)
+            if (tp, pp) != (1, 1):
+                checks.run(f"gather_{name}_tp{tp}_pp{pp}", fx.gathered_roundtrip, model, name)
+            if (tp, pp) == (2, 1) and name in ckpt:
+                checks.run(f"ckpt_save_{name}",
+                           lambda: save_checkpoint(ckpt[name], model, fx.configs[name]) or True)
 
-def gathered_roundtrip(model, name) -> dict:
-    back = megatron_to_hf(full_state(model), configs[name])
-    original = {key: weights[name][key] for key in weights[name]}
-    return {"names_differ": sorted(set(back) ^ set(original)),
-            "tensors_differ": sorted(k for k in original if k in back and not torch.equal(back[k], original[k]))}
+    def load_saved(name):
+        model = build_model(fx.configs[name])  # random weights: the load must replace them all
+        load_checkpoint(ckpt[name], model)
+        return fx.logits_error(model, name)
 
-
-for tp, pp in LAYOUTS:
-    parallel.initialize(tp, pp, seed=100 + tp * 10 + pp)
-    for name in MODELS:
-        model = checks.run(f"build_{name}_tp{tp}_pp{pp}", converted, name, tp)
-        if isinstance(model, dict):  # the build raised; its traceback is recorded
-            continue
-        checks.run(f"logits_{name}_tp{tp}_pp{pp}", logits_error, model, name)
-        checks.results.pop(f"build_{name}_tp{tp}_pp{pp}")
-        if (tp, pp) != (1, 1):
-            checks.run(f"gather_{name}_tp{tp}_pp{pp}", gathered_roundtrip, model, name)
-        if (tp, pp) == (2, 1) and name in CKPT_MODELS:
-            def save(model=model, name=name):
-                save_checkpoint(os.path.join(checks.args.out, f"ckpt_{name}"), model, configs[name])
-                return True
-            checks.run(f"ckpt_save_{name}", save)
-
-
-def load_saved(name):
-    model = build_model(configs[name])  # random weights: the load must replace all of them
-    load_checkpoint(os.path.join(checks.args.out, f"ckpt_{name}"), model)
-    return logits_error(model, name)
-
-
-for tp, pp in ((1, 2), (1, 1)):
-    parallel.initialize(tp, pp, seed=7)
-    for name in CKPT_MODELS:
-        if name in MODELS:
+    for tp, pp in ((1, 2), (1, 1)):
+        parallel.initialize(tp, pp, seed=7)
+        for name in ckpt:
             checks.run(f"ckpt_load_{name}_tp{tp}_pp{pp}", load_saved, name)
 
-checks.save()
-parallel.destroy()
+    checks.save()
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

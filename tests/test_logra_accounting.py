@@ -1,0 +1,76 @@
+"""State accounting and the optimizer benchmark (one short run of each optimizer)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_harness import REPO
+
+from logra_megatron import parallel
+from logra_megatron.logra import LogRAConfig
+from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
+from logra_megatron.models import get_preset
+from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+@pytest.mark.parametrize("kind", ["adam", "logra"])
+def test_planned_state_bytes_equal_what_the_optimizer_allocates(kind):
+    import torch
+
+    model_config = get_preset("tiny")
+    logra = LogRAConfig(rank=16)
+    parallel.initialize(1, 1)
+    model, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=kind), logra)
+    tokens = torch.randint(0, model_config.vocab, (2, 17))
+    train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, 2))
+    planned = state_bytes(model, logra)["dense" if kind == "adam" else "logra"]
+    measured = measured_state_bytes(ddp, optimizer)
+    assert measured["grad_bytes"] == planned.grad_bytes
+    assert measured["projection_bytes"] == planned.projection_bytes
+    # Megatron's Adam also keeps a 'step' counter tensor per parameter.
+    assert planned.optimizer_state_bytes <= measured["optimizer_state_bytes"] <= planned.optimizer_state_bytes * 1.01
+
+
+def test_logra_state_is_smaller_and_shrinks_with_rank():
+    parallel.initialize(1, 1)
+    model, _, _ = build_trainable(get_preset("tiny"), OptimizerSettings(kind="adam"))
+    small, large = state_bytes(model, LogRAConfig(rank=8)), state_bytes(model, LogRAConfig(rank=32))
+    assert small["dense"] == large["dense"]
+    assert small["logra"].total < large["logra"].total < large["dense"].total
+    # At full rank with the identity, sketches are as large as the gradients (plus projections).
+    full = state_bytes(model, LogRAConfig(rank=1.0, identity_projection=True))
+    assert full["logra"].grad_bytes == full["dense"].grad_bytes
+
+
+def test_benchmark_prints_one_json_object_with_both_sides():
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark_optimizer.py", "--preset", "tiny", "--logra-rank", "8",
+         "--steps", "2", "--seq-length", "16", "--json"],
+        capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["preset"] == "tiny" and report["rank"] == "8"
+    for side in ("dense", "logra"):
+        assert set(report[side]) == {"grad_bytes", "optimizer_state_bytes", "peak_rss_bytes",
+                                     "step_time_s", "dp_comm_bytes_per_step", "final_loss"}
+        assert report[side]["peak_rss_bytes"] > 10_000_000
+    assert report["ratio"]["grad_bytes"] < 0.5
+    assert report["ratio"]["optimizer_state_bytes"] < 0.5
+    assert report["ratio"]["dp_comm_bytes_per_step"] < 0.5
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--logra-rank", "1000"], "larger than the matrix"),
+    (["--logra-refresh-interval", "0"], "must be a positive number of steps"),
+    (["--preset", "nope"], "unknown model preset"),
+])
+def test_benchmark_bad_input_is_one_line(args, message):
+    proc = subprocess.run([sys.executable, "tools/benchmark_optimizer.py", *args],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
