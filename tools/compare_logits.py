@@ -7,7 +7,8 @@ Runs the same prompts through both models in fp32 and reports the largest absolu
 difference (on each prompt followed by the HF model's greedy continuation) and whether the
 greedy continuations agree token for token. Greedy decoding re-runs the full sequence for every
 token (no KV cache), so it checks exactly the forward pass a trainer uses. Prompts are text
-encoded with the HF folder's tokenizer, or seeded random token ids when it has none.
+encoded with the HF folder's tokenizer, or seeded random token ids when it has none; they run
+as one right-padded batch (under a causal mask padding cannot reach the real positions).
 
 With ``--json`` stdout carries exactly one JSON object:
 ``{"max_abs_logit_diff": ..., "greedy_match": true|false, "tokens_compared": ...}``.
@@ -65,33 +66,32 @@ def validate(args):
 
 def hf_side(args, model):
     """Rank 0: prompts as token ids, HF greedy continuations and HF logits of prompt + them."""
-    from logra_megatron.convert.reference import (DEFAULT_PROMPTS, encode_prompts, hf_greedy,
-                                                  hf_logits, load_hf_model)
+    from logra_megatron.convert.reference import (DEFAULT_PROMPTS, encode_prompts, hf_logits_fn,
+                                                  load_hf_model)
+    from logra_megatron.convert.runtime import greedy_tokens, sequence_logits
 
     prompts = encode_prompts(args.hf_dir, args.prompt or DEFAULT_PROMPTS, model.vocab)
-    hf = load_hf_model(args.hf_dir)
-    greedy = [hf_greedy(hf, prompt, args.max_new_tokens) for prompt in prompts]
-    logits = [hf_logits(hf, prompt + tokens) for prompt, tokens in zip(prompts, greedy)]
+    logits_fn = hf_logits_fn(load_hf_model(args.hf_dir))
+    greedy = greedy_tokens(logits_fn, prompts, args.max_new_tokens)
+    logits = sequence_logits(logits_fn, [p + g for p, g in zip(prompts, greedy)])
     return prompts, greedy, logits
 
 
 def megatron_side(args, model, prompts, hf_greedy_tokens):
     """Every rank: Megatron's greedy continuations and its logits on the HF sequences (the
     logits are returned on the ranks of the last pipeline stage, ``None`` elsewhere)."""
-    import torch
-
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
-    from logra_megatron.convert.runtime import build_model, forward_logits, greedy_continuation
+    from logra_megatron.convert.runtime import (build_model, from_last_stage, greedy_tokens,
+                                                megatron_logits_fn, sequence_logits)
 
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     megatron = build_model(model)
     load_checkpoint(args.load, megatron)
-    greedy = [greedy_continuation(megatron, prompt, args.max_new_tokens, model.vocab)
-              for prompt in prompts]
-    logits = [forward_logits(megatron, torch.tensor([prompt + tokens]), model.vocab)
-              for prompt, tokens in zip(prompts, hf_greedy_tokens)]
-    return greedy, [None if item is None else item[0] for item in logits]
+    logits_fn = megatron_logits_fn(megatron, model.vocab)
+    greedy = greedy_tokens(logits_fn, prompts, args.max_new_tokens, share=from_last_stage)
+    logits = sequence_logits(logits_fn, [p + g for p, g in zip(prompts, hf_greedy_tokens)])
+    return greedy, logits
 
 
 def report(args, prompts, hf_greedy_tokens, hf_logits, greedy, logits) -> dict:

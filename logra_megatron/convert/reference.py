@@ -48,17 +48,12 @@ def encode_prompts(directory: str, prompts, vocab: int, seed: int = 0, length: i
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in prompts]
 
 
-@torch.no_grad()
-def hf_logits(model, tokens: list) -> torch.Tensor:
-    """fp32 logits ``[seq, vocab]`` of one token sequence."""
-    output = model(input_ids=torch.tensor([tokens]), use_cache=False)
-    return output.logits[0].float()
+def hf_logits_fn(model):
+    """The HF model as a ``logits_fn`` (``[batch, seq]`` tokens -> fp32 logits) for
+    :func:`logra_megatron.convert.runtime.greedy_tokens` and ``sequence_logits``."""
 
+    @torch.no_grad()
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens, use_cache=False).logits.float()
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list, steps: int) -> list:
-    """``steps`` greedy tokens after ``prompt``, one full forward per token."""
-    sequence = list(prompt)
-    for _ in range(steps):
-        sequence.append(int(hf_logits(model, sequence)[-1].argmax()))
-    return sequence[len(prompt):]
+    return logits

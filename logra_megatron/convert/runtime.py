@@ -88,16 +88,45 @@ def from_rank0(value):
     return box[0]
 
 
+def right_pad(sequences: list, pad: int = 0) -> torch.Tensor:
+    """``[batch, longest]`` token tensor of ``sequences``, padded on the right.
+
+    Under a causal mask, padding after a sequence cannot change the logits of its real
+    positions, so sequences of different lengths share one forward pass.
+    """
+    longest = max(len(sequence) for sequence in sequences)
+    return torch.tensor([list(sequence) + [pad] * (longest - len(sequence)) for sequence in sequences])
+
+
+def sequence_logits(logits_fn, sequences: list) -> list:
+    """Per sequence, the ``[len, vocab]`` logits of its real positions, from one batched call
+    of ``logits_fn`` (``None`` where ``logits_fn`` returns ``None``: not the last stage)."""
+    logits = logits_fn(right_pad(sequences))
+    if logits is None:
+        return None
+    return [logits[row, : len(sequence)] for row, sequence in enumerate(sequences)]
+
+
 @torch.no_grad()
-def greedy_continuation(megatron, prompt: list, steps: int, vocab: int) -> list:
-    """``steps`` greedy tokens after ``prompt`` (every rank gets them), re-running the full
-    sequence for each token: no KV cache, so it checks exactly what a plain forward computes."""
-    sequence = list(prompt)
+def greedy_tokens(logits_fn, prompts: list, steps: int, share=lambda tokens: tokens) -> list:
+    """``steps`` greedy tokens after every prompt, re-running the full (right-padded, batched)
+    sequences for each token: no KV cache, so it checks exactly what a plain forward computes.
+
+    ``logits_fn`` maps ``[batch, seq]`` tokens to ``[batch, seq, vocab]`` logits or ``None``;
+    ``share`` makes the chosen tokens known to every rank (see :func:`from_last_stage`).
+    """
+    sequences = [list(prompt) for prompt in prompts]
     for _ in range(steps):
-        logits = forward_logits(megatron, torch.tensor([sequence]), vocab)
-        token = int(logits[0, -1].argmax()) if logits is not None else None
-        sequence.append(from_last_stage(token))
-    return sequence[len(prompt):]
+        logits = sequence_logits(logits_fn, sequences)
+        chosen = None if logits is None else [int(rows[-1].argmax()) for rows in logits]
+        for sequence, token in zip(sequences, share(chosen)):
+            sequence.append(token)
+    return [sequence[len(prompt):] for sequence, prompt in zip(sequences, prompts)]
+
+
+def megatron_logits_fn(megatron, vocab: int):
+    """:func:`forward_logits` of ``megatron`` as a ``logits_fn`` for the helpers above."""
+    return lambda tokens: forward_logits(megatron, tokens, vocab)
 
 
 def parse_dtype(name: str) -> torch.dtype:

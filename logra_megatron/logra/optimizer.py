@@ -142,6 +142,11 @@ class LogRAOptimizer:
     def scale_loss(self, loss):
         return self.dense.scale_loss(loss)
 
+    def reload_model_params(self, state_dict=None):
+        """Re-sync the dense optimizer's master copies from the model (after weights were set
+        from outside, e.g. by the KL controller). Sketched weights have no master copy."""
+        self.dense.reload_model_params(state_dict)
+
     def is_refresh_step(self) -> bool:
         return not self.logra.identity_projection and self.step_count % self.logra.refresh_interval == 0
 

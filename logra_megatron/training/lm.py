@@ -62,3 +62,28 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     if parallel.is_last_stage():
         mean = float(sum(item["lm loss"] for item in losses) / len(losses))
     return parallel.agree_on_scalar(mean)
+
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None):
+    """Vocab-parallel logits ``[batch, seq, V/tp]`` of ``tokens`` through the pipeline schedule
+    (forward only) on the last stage; ``None`` on other stages."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch, length = tokens.shape
+    micro_batch_size = micro_batch_size or batch
+    mask = causal_attention_mask(length)
+    microbatches = [tokens[i : i + micro_batch_size] for i in range(0, batch, micro_batch_size)]
+
+    def forward_step(data_iterator, model):
+        inputs = next(data_iterator)
+        output = model(inputs, position_ids_for(inputs), mask)
+        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=length, micro_batch_size=micro_batch_size,
+        forward_only=True)
+    if not parallel.is_last_stage():
+        return None
+    return torch.cat([item["logits"] for item in outputs], dim=0)

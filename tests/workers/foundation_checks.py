@@ -8,8 +8,9 @@ from common import Checks
 
 from logra_megatron import parallel
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
-from logra_megatron.models import build_gpt_model, causal_attention_mask, get_preset, position_ids_for
+from logra_megatron.models import build_gpt_model, get_preset
 from logra_megatron.models.weights import full_state, load_full_state
+from logra_megatron.training.lm import forward_logits as lm_forward_logits
 from logra_megatron.training.lm import lm_forward_backward
 
 
@@ -21,22 +22,10 @@ def main():
     tokens = torch.randint(0, MODEL.vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
 
     def forward_logits(model, inputs):
-        """Full-vocabulary logits [b, s, V] on the last stage (None elsewhere), via the schedule."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        mask = causal_attention_mask(inputs.shape[1])
-
-        def step(iterator, model):
-            batch = next(iterator)
-            output = model(batch, position_ids_for(batch), mask)
-            return output, lambda out: (out.sum() * 0, {"logits": out.detach()})
-
-        outputs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([inputs]), model=[model], num_microbatches=1,
-            seq_length=inputs.shape[1], micro_batch_size=inputs.shape[0], forward_only=True)
-        if not parallel.is_last_stage():
+        """Full-vocabulary logits [b, s, V] on the last stage (None elsewhere)."""
+        local = lm_forward_logits(model, inputs)
+        if local is None:
             return None
-        local = outputs[0]["logits"]
         pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
         dist.all_gather(pieces, local.contiguous(), group=parallel.tp_group())
         return torch.cat(pieces, dim=-1)[..., : MODEL.vocab]

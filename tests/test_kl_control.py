@@ -1,0 +1,97 @@
+"""Predicted-KL step control in one process: it holds the realized KL near the target where the
+uncontrolled step overshoots, the forecast scales quadratically for small steps, the linear
+forecast agrees with the probe for small steps, and the probe restores weights bitwise."""
+
+import pytest
+import torch
+
+from logra_megatron import parallel
+from logra_megatron.errors import UserError
+from logra_megatron.logra import LogRAConfig
+from logra_megatron.logra.kl_control import KLControlConfig, PredictedKLController
+from logra_megatron.models import get_preset
+from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.setup import OptimizerSettings, build_trainable
+
+MODEL = get_preset("tiny")
+TOKENS = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manual_seed(0))
+PROBE, MASK = TOKENS[:2], torch.ones(2, 33)
+TARGET = 0.02
+
+
+def controlled_run(mode, lr=5e-2, steps=5, kind="logra"):
+    parallel.initialize(1, 1, seed=1234)
+    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind=kind, lr=lr),
+                                        LogRAConfig(rank=16, refresh_interval=5))
+    controller = PredictedKLController(KLControlConfig(mode=mode, target=TARGET))
+    history = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, TOKENS, 4)
+        history.append(controller.step(ddp, optimizer, PROBE, MASK))
+    return history
+
+
+@pytest.mark.parametrize("kind", ["logra", "adam"])
+def test_probe_control_holds_the_realized_kl_where_uncontrolled_overshoots(kind):
+    uncontrolled = [m["kl_realized"] for m in controlled_run("off", kind=kind)]
+    assert max(uncontrolled) > 5 * TARGET, uncontrolled
+    controlled = controlled_run("probe", kind=kind)
+    for metrics in controlled:
+        assert metrics["kl_realized"] <= 1.2 * TARGET, controlled
+        assert 0 < metrics["step_scale"] <= 1.0
+    assert min(m["step_scale"] for m in controlled) < 0.5
+
+
+@pytest.fixture(scope="module")
+def proposed_update():
+    """A small proposed update D (low learning rate) and everything needed to forecast it."""
+    parallel.initialize(1, 1, seed=1234)
+    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=1e-3),
+                                        LogRAConfig(rank=16))
+    controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    lm_forward_backward(ddp, TOKENS, 4)
+    old_logits = controller.probe_logits(ddp, PROBE)
+    params = controller.parameters_of(ddp)
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    direction = [p.detach() - b for p, b in zip(params, before)]
+    controller.set_weights(params, before)
+    return ddp, controller, old_logits, params, before, direction
+
+
+def test_forecast_is_quadratic_in_the_step_for_small_steps(proposed_update):
+    ddp, controller, old_logits, params, before, direction = proposed_update
+    full = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK)
+    assert full > 0
+    for scale in (0.5, 0.25):
+        scaled = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK, scale)
+        assert scaled == pytest.approx(scale**2 * full, rel=0.1)
+
+
+def test_linear_forecast_agrees_with_the_probe_for_small_steps(proposed_update):
+    ddp, controller, old_logits, params, before, direction = proposed_update
+    probe = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK)
+    linear = PredictedKLController(KLControlConfig(mode="linear", target=TARGET)).forecast(
+        ddp, old_logits, params, before, direction, PROBE, MASK)
+    assert linear == pytest.approx(probe, rel=0.25)
+
+
+def test_probe_restores_weights_bitwise(proposed_update):
+    ddp, controller, old_logits, params, before, direction = proposed_update
+    for mode in ("probe", "linear"):
+        PredictedKLController(KLControlConfig(mode=mode)).forecast(
+            ddp, old_logits, params, before, direction, PROBE, MASK, 0.7)
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_bad_settings_are_clear():
+    with pytest.raises(UserError, match="--kl-control must be one of off, probe, linear"):
+        KLControlConfig(mode="always")
+    with pytest.raises(UserError, match="--kl-target must be > 0"):
+        KLControlConfig(target=0)
+    with pytest.raises(UserError, match="--kl-probe-sequences"):
+        KLControlConfig(probe_sequences=0)
