@@ -95,3 +95,24 @@ def test_bad_settings_are_clear():
         KLControlConfig(target=0)
     with pytest.raises(UserError, match="--kl-probe-sequences"):
         KLControlConfig(probe_sequences=0)
+
+
+def test_demo_prints_the_documented_json():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_harness import REPO
+
+    proc = subprocess.run([sys.executable, "tools/kl_control_demo.py", "--steps", "2", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["kl_target"] == 0.02
+    assert len(report["off"]["kl_realized"]) == 2
+    for mode in ("probe", "linear"):
+        assert set(report[mode]) >= {"kl_pred", "kl_realized", "step_scale"}
+        assert all(value <= 1.2 * 0.02 for value in report["probe"]["kl_realized"])
+    assert 0 < report["overhead_fraction"] < 1

@@ -1,0 +1,22 @@
+"""The KL controller's scale is agreed on every rank (TP=2, PP=2, DP) and DP replicas stay
+bitwise identical. One 4-rank launch."""
+
+import pytest
+from dist_harness import result, run_workers
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_workers("kl_checks.py", 4, tmp_path_factory.mktemp("kl"))
+
+
+@pytest.mark.parametrize("mode", ["probe", "linear"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
+def test_same_scale_everywhere_and_identical_replicas(results, mode, tp, pp):
+    for rank in range(4):
+        value = result(results, f"{mode}_tp{tp}_pp{pp}", rank)
+        assert value["all_ranks_agree"], value
+        assert value["dp_replicas_identical"], value
+        assert value["dp_size"] == 4 // (tp * pp)
+        # The learning rate is large enough that the controller actually shrinks the step.
+        assert min(value["scales"]) < 1.0, value

@@ -1,0 +1,56 @@
+"""Predicted-KL control across ranks (4 gloo ranks): at TP=2, PP=2 and DP=4 every rank applies
+the same step scale and data-parallel replicas hold bitwise-identical weights afterwards."""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from common import Checks
+
+from logra_megatron import parallel
+from logra_megatron.logra import LogRAConfig
+from logra_megatron.logra.kl_control import KLControlConfig, PredictedKLController
+from logra_megatron.models import get_preset
+from logra_megatron.models.weights import full_state
+from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.setup import OptimizerSettings, build_trainable
+
+MODEL = get_preset("tiny")
+
+
+def main():
+    checks = Checks()
+    tokens = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manual_seed(4))
+
+    def run(tp, pp, mode):
+        parallel.initialize(tp, pp, seed=9)
+        model, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2),
+                                                LogRAConfig(rank=16, refresh_interval=5))
+        controller = PredictedKLController(KLControlConfig(mode=mode, target=0.02))
+        per = tokens.shape[0] // parallel.dp_size()
+        batch = tokens[parallel.dp_rank() * per : (parallel.dp_rank() + 1) * per]
+        scales, predicted = [], []
+        for _ in range(2):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            lm_forward_backward(ddp, batch, micro_batch_size=1)
+            metrics = controller.step(ddp, optimizer, batch[:1], torch.ones(1, batch.shape[1]))
+            scales.append(metrics["step_scale"])
+            predicted.append(metrics["kl_pred"])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (scales, predicted))
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for _, t in sorted(full_state(model).items()))).hexdigest()
+        replicas = [None] * parallel.dp_size()
+        dist.all_gather_object(replicas, digest, group=parallel.dp_group())
+        return {"scales": scales, "all_ranks_agree": all(item == everyone[0] for item in everyone),
+                "dp_replicas_identical": len(set(replicas)) == 1, "dp_size": parallel.dp_size()}
+
+    for tp, pp in ((2, 1), (1, 2), (1, 1)):
+        for mode in ("probe", "linear"):
+            checks.run(f"{mode}_tp{tp}_pp{pp}", run, tp, pp, mode)
+    checks.save()
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
