@@ -27,7 +27,7 @@ setup(
         "test": ["pytest>=7"],
         # Verifiable-reward tasks and answer checking for the RL trainer.
         "rl": ["reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        "hf": ["transformers>=4.45", "safetensors", "gguf", "accelerate"],
+        "hf": ["transformers>=4.56", "safetensors", "gguf", "accelerate"],
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
         # README. Transformer Engine needs CUDA to install and import.
         "gpu": ["transformer-engine[pytorch]"],

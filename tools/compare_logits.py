@@ -41,6 +41,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    if args.prompt and not all(text.strip() for text in args.prompt):
+        parser.error("--prompt must not be empty")
     return args
 
 

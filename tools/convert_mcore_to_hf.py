@@ -46,28 +46,35 @@ def output_dtype(choice: str, source_config):
     return by_name.get(name, torch.float32)
 
 
-def convert(args) -> None:
-    import json
-
-    from tqdm import tqdm
-
-    from logra_megatron import parallel
-    from logra_megatron.checkpoint import load_checkpoint, load_model_config
-    from logra_megatron.convert.hf import hf_config_from_model_config, megatron_to_hf
-    from logra_megatron.convert.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, HF_SOURCE_DIR,
-                                              TOKENIZER_DIR, check_output_dir, copy_tokenizer,
-                                              load_hf_source, write_hf_weights)
-    from logra_megatron.convert.runtime import HF_DTYPE_NAMES, build_model
-    from logra_megatron.models.weights import full_state
+def validate(args):
+    """Input checks before anything heavy is imported; returns (ModelConfig, source config)."""
+    from logra_megatron.checkpoint import load_model_config
+    from logra_megatron.convert.hf_io import check_output_dir, load_hf_source
 
     model = load_model_config(args.load)
     check_output_dir(args.hf_dir, "--hf-dir")
     if launch.world_size() > 1:
         raise UserError("convert_mcore_to_hf.py runs as a single process; start it with python, "
                         "not torchrun")
-    source = load_hf_source(args.load)
-    dtype = output_dtype(args.dtype, source)
+    return model, load_hf_source(args.load)
 
+
+def convert(args, model, source) -> None:
+    """Load the checkpoint as one TP=1 model, map to HF names, write the folder."""
+    import json
+    import shutil
+
+    from tqdm import tqdm
+
+    from logra_megatron import parallel
+    from logra_megatron.checkpoint import load_checkpoint
+    from logra_megatron.convert.hf import hf_config_from_model_config, megatron_to_hf
+    from logra_megatron.convert.hf_io import (CONFIG_FILE, GENERATION_CONFIG_FILE, HF_SOURCE_DIR,
+                                              TOKENIZER_DIR, copy_tokenizer, write_hf_weights)
+    from logra_megatron.convert.runtime import HF_DTYPE_NAMES, build_model
+    from logra_megatron.models.weights import full_state
+
+    dtype = output_dtype(args.dtype, source)
     parallel.initialize(1, 1)
     megatron = build_model(model)
     print(f"loading {args.load} ({model.family}, {model.num_parameters():,} parameters)",
@@ -84,8 +91,6 @@ def convert(args) -> None:
         json.dump(config, handle, indent=2, sort_keys=True)
     generation = os.path.join(args.load, HF_SOURCE_DIR, GENERATION_CONFIG_FILE)
     if os.path.isfile(generation):
-        import shutil
-
         shutil.copy2(generation, os.path.join(args.hf_dir, GENERATION_CONFIG_FILE))
     if not copy_tokenizer(os.path.join(args.load, TOKENIZER_DIR), args.hf_dir):
         print(f"note: {args.load} has no tokenizer/ folder; none written", file=sys.stderr)
@@ -96,10 +101,11 @@ def convert(args) -> None:
 def main(argv=None):
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    model, source = validate(args)
     from logra_megatron import parallel
 
     try:
-        convert(args)
+        convert(args, model, source)
     finally:
         parallel.destroy()
 

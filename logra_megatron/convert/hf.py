@@ -68,6 +68,9 @@ def detect_family(hf_config: dict) -> str:
 def _rope(hf_config: dict) -> float:
     """The rotary base; a :class:`UserError` for rotary variants Megatron is not built with."""
     params = hf_config.get("rope_parameters") or {}
+    if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise UserError("per-layer-type rope_parameters are not supported; the model family "
+                        "uses one rotary embedding for every layer")
     scaling = hf_config.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
@@ -292,12 +295,30 @@ _DIRECT = {
 }
 
 
+# Transformer Engine's layer spec (on CUDA) fuses each RMSNorm into the following linear; its
+# parameters then carry these names instead of the local spec's.
+_TE_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def canonical_name(name: str) -> str:
+    """The local-spec name of a Megatron parameter (Transformer Engine's fused-norm names are
+    renamed, every other name is returned unchanged)."""
+    match = _LAYER_NAME.match(name)
+    if match and match.group(2) in _TE_NORM_NAMES:
+        return f"{_mc_layer(int(match.group(1)))}{_TE_NORM_NAMES[match.group(2)]}"
+    return name
+
+
 def megatron_tensor(name: str, hf: Mapping, model: ModelConfig, padded_vocab: int) -> torch.Tensor:
     """One full Megatron tensor, built from the HF tensors it comes from.
 
     ``hf`` is any mapping from HF names to tensors; only the tensors this one needs are read,
     so a lazily loading mapping keeps the memory of a conversion to one stage's tensors.
     """
+    name = canonical_name(name)
     if name == "embedding.word_embeddings.weight":
         return pad_vocab_rows(hf["model.embed_tokens.weight"], padded_vocab)
     if name == "output_layer.weight":
@@ -334,7 +355,7 @@ class MegatronView(Mapping):
         self._known = set(self._names)
 
     def __getitem__(self, name):
-        if name not in self._known:
+        if name not in self:
             raise KeyError(name)
         tensor = megatron_tensor(name, self.hf, self.model, self.padded_vocab)
         if self.on_access is not None:
@@ -342,7 +363,7 @@ class MegatronView(Mapping):
         return tensor
 
     def __contains__(self, name):
-        return name in self._known
+        return canonical_name(name) in self._known
 
     def __iter__(self):
         return iter(self._names)
@@ -367,8 +388,10 @@ def megatron_to_hf(state: Mapping, model: ModelConfig) -> dict:
     """HF tensors (names as ``save_pretrained`` writes them) from a full Megatron state dict.
 
     The vocabulary padding rows are dropped; with tied embeddings no ``lm_head.weight`` is
-    written (HF ties it to the embedding on load).
+    written (HF ties it to the embedding on load). Transformer Engine's fused-norm names are
+    accepted as well as the local spec's.
     """
+    state = {canonical_name(name): tensor for name, tensor in state.items()}
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: model.vocab]}
     for i in range(model.layers):
         src, dst = _mc_layer(i), _hf_layer(i)

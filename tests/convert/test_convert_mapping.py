@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY
+from convert_tiny import TINY
 
 from logra_megatron.convert.hf import (
     check_hf_names,
@@ -166,3 +166,25 @@ def test_pytorch_bin_and_sharded_safetensors_read_the_same(tiny_models, tmp_path
         weights = HFWeights(str(tmp_path / folder))
         assert sorted(weights) == sorted(state)
         assert all(torch.equal(weights[k], state[k]) for k in state)
+
+
+def test_transformer_engine_norm_names_are_understood(tiny_models):
+    # On CUDA the TE layer spec names the norms after the linear they are fused into.
+    from logra_megatron.convert.hf import MegatronView
+
+    state = hf_state(tiny_models["qwen2_tied"])
+    config = model_config_from_hf(read_hf_config(tiny_models["qwen2_tied"]))
+    local = hf_to_megatron(state, config)
+    te_names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    renamed = {}
+    for name, tensor in local.items():
+        for old, new in te_names.items():
+            name = name.replace(old, new)
+        renamed[name] = tensor
+    view = MegatronView(state, config, config.padded_vocab(1))
+    te_name = "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    assert te_name in view
+    assert torch.equal(view[te_name], local["decoder.layers.1.pre_mlp_layernorm.weight"])
+    back = megatron_to_hf(renamed, config)
+    assert all(torch.equal(back[k], state[k]) for k in state)

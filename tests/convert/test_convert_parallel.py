@@ -2,7 +2,7 @@
 gather back bitwise, and reshard through a dist checkpoint. One 2-rank launch for all."""
 
 import pytest
-from conftest import TINY
+from convert_tiny import TINY
 from dist_harness import result, run_workers
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]

@@ -52,10 +52,11 @@ def smollm2_dir():
 
 @pytest.fixture(scope="module")
 def checkpoint(smollm2_dir, tmp_path_factory):
-    """SmolLM2 converted at TP=3 by the converter CLI (which starts torchrun itself)."""
+    """SmolLM2 converted at TP=3 by the converter CLI (which starts torchrun itself). The
+    exported weights are bf16, so a bf16 checkpoint holds them exactly (and is half the size)."""
     out = tmp_path_factory.mktemp("smollm2") / f"mcore_tp{TP}"
     proc = tool("convert_hf_to_mcore.py", "--hf-dir", smollm2_dir, "--save", out,
-                "--tensor-model-parallel-size", TP)
+                "--tensor-model-parallel-size", TP, "--dtype", "bf16")
     assert "converting" in proc.stderr  # the progress bar
     return out
 

@@ -1,0 +1,139 @@
+"""GRPO's two passes over a batch of rollouts through Megatron's pipeline schedule.
+
+- :func:`sequence_logprobs`: per-token log-probs (and entropy) of the sampled tokens, forward
+  only (old-policy and reference log-probs).
+- :func:`policy_loss_backward`: the clipped-surrogate loss (plus optional KL-to-reference and
+  entropy terms), forward and backward over microbatches; gradients (or LoGRA sketches)
+  accumulate in the model.
+
+Both read the logits vocab-parallel ([b, s, V/tp] on the last stage) and never gather the
+vocabulary. Rollouts are left-padded; each model call gets the padding-aware causal mask and
+per-row rotary positions (:func:`~logra_megatron.rl.rollout.rope_positions`). The loss is
+normalized by the number of response tokens of this data-parallel rank's whole batch, so it
+does not depend on how the batch is split into microbatches.
+"""
+
+from typing import Optional
+
+import torch
+
+from logra_megatron import parallel
+from logra_megatron.rl.losses import PolicyLossConfig, policy_loss, vocab_parallel_logprobs_and_entropy
+from logra_megatron.rl.rollout import Rollouts, padded_causal_mask, rope_positions
+
+
+# Metrics that policy_loss divides by the batch's response tokens (sum them over microbatches);
+# the others are per-microbatch means (weight them by the microbatch's share of tokens).
+_NORMALIZED_BY_BATCH_TOKENS = ("loss", "pg_loss", "kl")
+
+
+def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
+    rows = rollouts.tokens.shape[0]
+    for start in range(0, rows, micro_batch_size):
+        part = slice(start, start + micro_batch_size)
+        yield {
+            "tokens": rollouts.tokens[part],
+            "attention_mask": rollouts.attention_mask[part],
+            "position_ids": rollouts.position_ids[part],
+            "response_mask": rollouts.response_mask[part],
+            **{key: value[part] if value is not None else None for key, value in extra.items()},
+        }
+
+
+def _model_logits(model, batch):
+    with rope_positions(model, batch["position_ids"]):
+        return model(batch["tokens"], batch["position_ids"], padded_causal_mask(batch["attention_mask"]))
+
+
+def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = list(_microbatches(rollouts, micro_batch_size, extra or {}))
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return _model_logits(model, batch), loss_func_for(batch, len(batches))
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=rollouts.tokens.shape[1],
+        micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+def _targets(batch):
+    return batch["tokens"][:, 1:], batch["response_mask"][:, 1:].float()
+
+
+@torch.no_grad()
+def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperature: float = 1.0):
+    """``(logprobs, entropy)`` of shape ``[B, S-1]`` (position t scores token t+1), identical on
+    every rank of the data-parallel replica (computed on the last stage, broadcast over PP)."""
+    import torch.distributed as dist
+
+    def loss_func_for(batch, _):
+        def loss_func(logits):
+            targets, _mask = _targets(batch)
+            logprob, entropy = vocab_parallel_logprobs_and_entropy(
+                logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
+            return logits.float().sum() * 0, {"logprob": logprob.float(), "entropy": entropy.float()}
+        return loss_func
+
+    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True)
+    shape = (rollouts.tokens.shape[0], rollouts.tokens.shape[1] - 1)
+    logprobs = torch.zeros(shape)
+    entropy = torch.zeros(shape)
+    if parallel.is_last_stage():
+        logprobs = torch.cat([item["logprob"] for item in outputs])
+        entropy = torch.cat([item["entropy"] for item in outputs])
+    if parallel.pp_size() > 1:
+        both = torch.stack([logprobs, entropy])
+        dist.broadcast(both, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
+        logprobs, entropy = both[0], both[1]
+    return logprobs, entropy
+
+
+def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
+                         old_logprobs: torch.Tensor, micro_batch_size: int,
+                         loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
+                         temperature: float = 1.0) -> dict:
+    """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
+    batch (agreed on every rank): loss, pg_loss, clip_fraction, entropy, kl (if on)."""
+    response_tokens = rollouts.response_mask[:, 1:].float().sum().clamp(min=1)
+    extra = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+
+    def loss_func_for(batch, num_microbatches):
+        def loss_func(logits):
+            targets, mask = _targets(batch)
+            logprob, entropy = vocab_parallel_logprobs_and_entropy(
+                logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
+            loss, metrics = policy_loss(
+                logprob, batch["old_logprobs"], batch["advantages"], mask, loss_config,
+                ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=response_tokens)
+            weight = mask.sum() / response_tokens
+            reported = {"loss": loss.detach().float(), "weight": weight,
+                        "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
+            for key in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
+                if key in metrics:
+                    reported[key] = metrics[key].detach().float()
+            # Megatron divides a 2-tuple loss by the number of microbatches; undo that, the
+            # normalizer above already makes the microbatch losses sum to the batch loss.
+            return loss * num_microbatches, reported
+        return loss_func
+
+    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=False, extra=extra)
+    summary = {}
+    if parallel.is_last_stage():
+        keys = [key for key in outputs[0] if key != "weight"]
+        for key in keys:
+            if key in _NORMALIZED_BY_BATCH_TOKENS:  # already a share of the batch mean
+                summary[key] = float(sum(item[key] for item in outputs))
+            else:
+                summary[key] = float(sum(item[key] * item["weight"] for item in outputs))
+    names = sorted(summary) if parallel.is_last_stage() else None
+    import torch.distributed as dist
+
+    if parallel.pp_size() > 1:
+        holder = [names]
+        dist.broadcast_object_list(holder, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
+        names = holder[0]
+    return {name: parallel.agree_on_scalar(summary.get(name, 0.0)) for name in names}

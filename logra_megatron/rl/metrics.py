@@ -1,0 +1,88 @@
+"""Run logging on rank 0: a progress bar, ``metrics.jsonl``, TensorBoard scalars, summary.json."""
+
+import json
+import math
+import os
+import sys
+
+import torch.distributed as dist
+
+
+def _is_logging_rank() -> bool:
+    # Every metric is agreed on all ranks before it is logged, so rank 0 can write them.
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class MetricsLogger:
+    """Writes nothing on other ranks; every method is safe to call everywhere."""
+
+    def __init__(self, output_dir: str, tensorboard_dir: str, total: int, progress: bool = True):
+        self.active = _is_logging_rank()
+        self.output_dir = output_dir
+        self.bar = None
+        self.writer = None
+        self.jsonl = None
+        if not self.active:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir)
+        except ImportError:  # tensorboard is a declared dependency; degrade to jsonl only
+            self.writer = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="GRPO", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def info(self, message: str) -> None:
+        if self.active:
+            (self.bar.write if self.bar else print)(message)
+
+    def warmup(self, step: int, total: int, loss: float) -> None:
+        if self.active:
+            self._record({"phase": "warmup", "step": step, "loss": loss})
+            if (step + 1) % max(1, total // 10) == 0 or step + 1 == total:
+                self.info(f"warm-up {step + 1}/{total} (supervised) loss {loss:.4f}")
+
+    def step(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        self._record({"phase": "rl", "step": step, **metrics})
+        if self.writer:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"rl/{key}", value, step)
+        if self.bar:
+            shown = {"reward": metrics.get("reward_mean"), "acc": metrics.get("accuracy"),
+                     "kl_pred": metrics.get("kl_pred"), "scale": metrics.get("step_scale"),
+                     "tok/s": metrics.get("tokens_per_s")}
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None})
+            self.bar.update(1)
+        else:
+            print(json.dumps({"step": step, **metrics}), flush=True)
+
+    def _record(self, row: dict) -> None:
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
+    def finish(self, summary: dict):
+        if not self.active:
+            return None
+        if self.bar:
+            self.bar.close()
+        if self.writer:
+            for key in ("held_out_accuracy_initial", "held_out_accuracy_before", "held_out_accuracy_after"):
+                if key in summary:
+                    self.writer.add_scalar(f"eval/{key}", summary[key], 0)
+            for name, value in summary.get("state_bytes", {}).items():
+                self.writer.add_scalar(f"memory/state_bytes_{name}", value, 0)
+            self.writer.close()
+        self.jsonl.close()
+        path = os.path.join(self.output_dir, "summary.json")
+        with open(path, "w") as handle:
+            json.dump(summary, handle, indent=2)
+        print(f"summary: {path}", flush=True)
+        return path

@@ -1,0 +1,210 @@
+"""The GRPO trainer loop, top to bottom.
+
+    initialize -> tokenizer, tasks -> model + optimizer (LoGRA or dense Adam)
+    evaluate (initial) -> supervised warm-up (optional) -> evaluate (before RL)
+    for each step:
+        prompts -> rollouts (current policy, KV cache) -> rewards -> group advantages
+        -> old log-probs (and reference log-probs) -> policy loss through the pipeline schedule
+        -> optimizer step under predicted-KL control -> log -> save
+    evaluate (after RL) -> summary.json
+
+Every rank runs the same code; data-parallel replicas take their own share of the prompts.
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from logra_megatron import parallel
+from logra_megatron.config import TrainConfig
+from logra_megatron.logra.accounting import state_bytes
+from logra_megatron.logra.kl_control import PredictedKLController
+from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
+from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
+from logra_megatron.rl.losses import PolicyLossConfig
+from logra_megatron.rl.metrics import MetricsLogger
+from logra_megatron.rl.rewards import get_reward
+from logra_megatron.rl.rollout import SamplingConfig, generate
+from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
+from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.setup import build_trainable, train_step
+
+
+def _tokenizer(config: TrainConfig, tasks: ArithmeticTasks):
+    from logra_megatron.tokenizer import build_tokenizer, default_task_tokenizer
+
+    if config.run.tokenizer_model:
+        return build_tokenizer(config.run.tokenizer_type, config.run.tokenizer_model)
+    cache = os.environ.get("LOGRA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "logra_megatron"))
+    return default_task_tokenizer(cache)  # character-level: the same for every operand range
+
+
+def _my_share(items: list) -> list:
+    per = len(items) // parallel.dp_size()
+    return items[parallel.dp_rank() * per : (parallel.dp_rank() + 1) * per]
+
+
+def _dp_mean(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if parallel.dp_size() > 1:
+        torch.distributed.all_reduce(tensor, group=parallel.dp_group())
+    return float(tensor) / parallel.dp_size()
+
+
+def evaluate(model, records, tokenizer, max_new_tokens, vocab_size) -> float:
+    """Greedy exact-match accuracy (percent) on ``records`` (split over DP replicas)."""
+    mine = _my_share(records)
+    config = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                            pad_id=tokenizer.pad_id, vocab_size=vocab_size)
+    rollouts = generate(model, [tokenizer.encode(r["prompt"]) for r in mine], config)
+    reward = get_reward("exact_match")
+    correct = sum(reward(record, tokenizer.decode(completion))
+                  for record, completion in zip(mine, rollouts.completions()))
+    return 100.0 * _dp_mean(correct / max(1, len(mine)))
+
+
+def supervised_batch(records, tokenizer, seq_length):
+    """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS."""
+    tokens = torch.full((len(records), seq_length), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(records), seq_length)
+    for row, record in enumerate(records):
+        prompt = tokenizer.encode(record["prompt"])
+        answer = tokenizer.encode(record["answer"]) + [tokenizer.eos_id]
+        ids = (prompt + answer)[:seq_length]
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, len(prompt) : len(ids)] = 1.0
+    return tokens, mask
+
+
+def train(config: TrainConfig) -> dict:
+    run, grpo = config.run, config.grpo
+    start_time = time.perf_counter()
+    parallel.initialize(run.tensor_model_parallel_size, run.pipeline_model_parallel_size, seed=run.seed)
+    tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=grpo.max_operand, seed=run.seed))
+    tokenizer = _tokenizer(config, tasks)
+    model_config = config.model
+    if run.tokenizer_model is None and config.preset == "tiny":
+        model_config = model_config.with_changes(vocab=tokenizer.vocab_size)
+    if tokenizer.vocab_size > model_config.vocab:
+        from logra_megatron.errors import UserError
+
+        raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model_config.vocab}")
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
+    model, ddp, optimizer = build_trainable(model_config, config.optimizer, config.logra, dtype=dtype)
+    controller = PredictedKLController(config.kl)
+    logger = MetricsLogger(run.output_dir, run.tensorboard_dir, total=run.train_iters, progress=run.progress)
+    reward_fn = get_reward(grpo.reward)
+    loss_config = PolicyLossConfig(clip_low=grpo.clip_low, clip_high=grpo.clip_high, kl_coef=grpo.kl_coef,
+                                   kl_estimator=grpo.kl_estimator, entropy_coef=grpo.entropy_coef)
+    held_out = tasks.held_out(run.eval_prompts)
+    vocab = tokenizer.vocab_size
+    seq_length = max(len(tokenizer.encode(r["prompt"])) for r in held_out) + grpo.max_new_tokens + 4
+
+    state = {"step": 0, "warmup_done": False, "summary": {}}
+    if run.load:
+        from logra_megatron.rl.checkpointing import load_training_state
+
+        state = load_training_state(run.load, model, optimizer)
+    summary = state["summary"]
+    if "held_out_accuracy_initial" not in summary:
+        summary["held_out_accuracy_initial"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+        logger.info(f"held-out accuracy (initial): {summary['held_out_accuracy_initial']:.1f}%")
+
+    # --- supervised warm-up: teach the answer format so RL has reward to work with ------------
+    if not state["warmup_done"]:
+        for group in optimizer.param_groups:
+            group["lr"] = run.warmup_lr
+        for step in range(run.warmup_iters):
+            records = _my_share(tasks.train_prompts(grpo.prompts_per_step * grpo.group_size, step=100_000 + step))
+            tokens, mask = supervised_batch(records, tokenizer, seq_length)
+            loss, _ = train_step(ddp, optimizer, lambda m: lm_forward_backward(
+                m, tokens, min(run.micro_batch_size, len(records)), loss_mask=mask))
+            logger.warmup(step, run.warmup_iters, loss)
+        state["warmup_done"] = True
+        summary["warmup_iters"] = run.warmup_iters
+        summary["held_out_accuracy_before"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+        logger.info(f"held-out accuracy (start of RL): {summary['held_out_accuracy_before']:.1f}%")
+    scheduler = _lr_scheduler(optimizer, config)
+    scheduler.step(state["step"])
+
+    # --- RL ----------------------------------------------------------------------------------
+    for step in range(state["step"], run.train_iters):
+        step_start = time.perf_counter()
+        records = _my_share(tasks.train_prompts(grpo.prompts_per_step, step=step))
+        sampling = SamplingConfig(temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k,
+                                  max_new_tokens=grpo.max_new_tokens, samples_per_prompt=grpo.group_size,
+                                  eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, vocab_size=vocab,
+                                  seed=run.seed * 1_000_003 + step * 1009 + parallel.dp_rank())
+        rollouts = generate(ddp, [tokenizer.encode(r["prompt"]) for r in records], sampling)
+        texts = [tokenizer.decode(c) for c in rollouts.completions()]
+        rewards = torch.tensor([reward_fn(records[i // grpo.group_size], text) for i, text in enumerate(texts)])
+        advantages = group_advantages(rewards, AdvantageConfig(group_size=grpo.group_size,
+                                                               normalize_std=grpo.normalize_std))
+        micro = min(run.micro_batch_size, rollouts.tokens.shape[0])
+        old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, grpo.temperature)
+        ref_logprobs = None  # the KL-to-reference penalty needs a frozen copy: see README
+
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, loss_config,
+                                            ref_logprobs=ref_logprobs, temperature=grpo.temperature)
+        probe = min(config.kl.probe_sequences, rollouts.tokens.shape[0])
+        control = controller.step(ddp, optimizer, rollouts.tokens[:probe],
+                                  rollouts.response_mask[:probe].float().roll(-1, dims=1))
+        scheduler.step(1)
+
+        elapsed = time.perf_counter() - step_start
+        generated = float(rollouts.response_mask.sum())
+        metrics = {
+            "reward_mean": _dp_mean(float(rewards.mean())),
+            "reward_std": _dp_mean(float(rewards.std())),
+            "accuracy": 100.0 * _dp_mean(float((rewards >= 1.0).float().mean())),
+            "grad_norm": control["grad_norm"], "kl_pred": control["kl_pred"],
+            "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
+            "controller_time_s": control["controller_time_s"],
+            "tokens_per_s": _dp_mean(generated) * parallel.dp_size() / elapsed,
+            "lr": optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+            **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
+        }
+        logger.step(step, metrics)
+        state["step"] = step + 1
+        if run.save and run.save_interval and state["step"] % run.save_interval == 0:
+            from logra_megatron.rl.checkpointing import save_training_state
+
+            save_training_state(run.save, model, optimizer, model_config, state)
+
+    summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+    logger.info(f"held-out accuracy (after RL): {summary['held_out_accuracy_after']:.1f}%")
+    if run.save:
+        from logra_megatron.rl.checkpointing import save_training_state
+
+        save_training_state(run.save, model, optimizer, model_config, state)
+    bytes_ = state_bytes(model, config.logra)
+    summary.update({
+        "steps": run.train_iters, "optimizer": config.optimizer.kind, "preset": config.preset,
+        "kl_control": config.kl.mode, "wall_time_s": time.perf_counter() - start_time,
+        "state_bytes": {"dense": bytes_["dense"].total, "logra": bytes_["logra"].total},
+        "tensor_model_parallel_size": parallel.tp_size(),
+        "pipeline_model_parallel_size": parallel.pp_size(),
+        "data_parallel_size": parallel.dp_size(),
+    })
+    path = logger.finish(summary)
+    return summary if path is None else dict(summary, summary_path=path)
+
+
+def _lr_scheduler(optimizer, config: TrainConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    lr = config.optimizer.lr
+    min_lr = config.extras.get("min_lr")
+    min_lr = lr if min_lr is None else min_lr
+    warmup = config.extras.get("lr_warmup_iters", 0)
+    for group in optimizer.param_groups:  # Megatron's groups carry None for these by default
+        group["max_lr"], group["min_lr"] = lr, min_lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(config.run.train_iters, warmup + 1), lr_decay_style="cosine",
+        start_wd=config.optimizer.weight_decay, end_wd=config.optimizer.weight_decay,
+        wd_incr_steps=max(config.run.train_iters, 1), wd_incr_style="constant")
