@@ -50,11 +50,11 @@ class GRPOConfig:
 class RunConfig:
     """What the run does around the steps: warm-up, evaluation, logging, checkpoints."""
 
-    train_iters: int = 60
+    train_iters: int = 80
     warmup_iters: int = 150
     """Supervised warm-up steps on training prompts before RL (0 = RL from the start)."""
     warmup_lr: float = 3e-3
-    eval_prompts: int = 200
+    eval_prompts: int = 60
     """Held-out prompts (never trained on) for the greedy accuracy before/after."""
     micro_batch_size: int = 16
     seed: int = 1234
@@ -99,7 +99,7 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--tokenizer-model", default=None)
     group = parser.add_argument_group("optimization")
     group.add_argument("--optimizer", choices=("adam", "logra"), default="logra")
-    group.add_argument("--lr", type=float, default=2e-3)
+    group.add_argument("--lr", type=float, default=3e-4)
     group.add_argument("--min-lr", type=float, default=None)
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--weight-decay", type=float, default=0.0)
@@ -108,7 +108,7 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--micro-batch-size", type=int, default=16)
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="sequences per step (default: prompts-per-step x group-size)")
-    group.add_argument("--train-iters", type=int, default=60)
+    group.add_argument("--train-iters", type=int, default=80)
     group.add_argument("--seed", type=int, default=1234)
     group = parser.add_argument_group("LoGRA")
     group.add_argument("--logra-rank", default="0.5")
@@ -117,7 +117,7 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--logra-second-moment", choices=("rotate", "reset"), default="rotate")
     group = parser.add_argument_group("predicted-KL control")
     group.add_argument("--kl-control", choices=("off", "probe", "linear"), default="probe")
-    group.add_argument("--kl-target", type=float, default=0.05)
+    group.add_argument("--kl-target", type=float, default=0.01)
     group.add_argument("--kl-probe-sequences", type=int, default=8)
     group.add_argument("--kl-realized-interval", type=int, default=5)
     group = parser.add_argument_group("GRPO")
@@ -138,7 +138,7 @@ def build_parser() -> ArgumentParser:
     group = parser.add_argument_group("run")
     group.add_argument("--warmup-iters", type=int, default=150, help="supervised warm-up steps before RL")
     group.add_argument("--warmup-lr", type=float, default=3e-3)
-    group.add_argument("--eval-prompts", type=int, default=200)
+    group.add_argument("--eval-prompts", type=int, default=60)
     group.add_argument("--output-dir", default=None, help="default: runs/<timestamp>")
     group.add_argument("--save", default=None)
     group.add_argument("--load", default=None)
@@ -208,7 +208,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.global_batch_size is not None and args.global_batch_size != sequences:
         raise UserError(f"--global-batch-size {args.global_batch_size} must equal --prompts-per-step x "
                         f"--group-size = {sequences}")
-    model = get_preset(args.preset)
+    if args.load is not None:
+        from logra_megatron.checkpoint import load_model_config
+
+        model = load_model_config(args.load)  # a checkpoint decides its own architecture
+    else:
+        model = get_preset(args.preset)
     logra = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval,
                         oversampling=args.logra_oversampling, second_moment=args.logra_second_moment,
                         zero1=args.use_distributed_optimizer, seed=args.seed)

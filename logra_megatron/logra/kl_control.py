@@ -113,6 +113,9 @@ class PredictedKLController:
     def __init__(self, config: KLControlConfig):
         self.config = config
         self.steps = 0
+        # Optional ``logits_fn(model) -> vocab-parallel logits`` for probes that need their own
+        # masks and positions (left-padded rollouts); default: a plain causal forward.
+        self.logits_fn = None
 
     # --- building blocks (public for tests and the demo) -----------------------------------------
 
@@ -130,8 +133,9 @@ class PredictedKLController:
             else:
                 param.copy_(start + scale * rest[0])
 
-    @staticmethod
-    def probe_logits(model, probe_tokens: torch.Tensor, micro_batch_size: Optional[int] = None):
+    def probe_logits(self, model, probe_tokens: torch.Tensor, micro_batch_size: Optional[int] = None):
+        if self.logits_fn is not None:
+            return self.logits_fn(model)
         from logra_megatron.training.lm import forward_logits
 
         return forward_logits(model, probe_tokens, micro_batch_size)
@@ -185,7 +189,8 @@ class PredictedKLController:
     # --- the controlled step --------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, model, optimizer, probe_tokens: torch.Tensor, probe_mask: torch.Tensor) -> dict:
+    def step(self, model, optimizer, probe_tokens: torch.Tensor, probe_mask: torch.Tensor,
+             logits_fn=None) -> dict:
         """One optimizer step under control. ``model`` is the (DDP) model the optimizer trains;
         ``probe_tokens`` ``[n, s]`` and ``probe_mask`` ``[n, s]`` (1 on response tokens whose
         next-token distribution is compared) come from this rank's batch.
@@ -193,6 +198,7 @@ class PredictedKLController:
         Returns ``success, grad_norm, kl_pred, step_scale, kl_realized, controller_time_s``.
         """
         config = self.config
+        self.logits_fn = logits_fn
         measure_realized = config.realized_interval > 0 and self.steps % config.realized_interval == 0
         self.steps += 1
         if config.mode == "off" and not measure_realized:

@@ -26,14 +26,17 @@ def save_training_state(directory, model, optimizer, model_config, state: dict) 
 
 
 def load_training_state(directory, model, optimizer) -> dict:
+    """Resume a trainer checkpoint; a checkpoint without trainer state (e.g. one written by
+    tools/convert_hf_to_mcore.py) only provides the starting weights."""
+    path = os.path.join(directory, TRAINER_STATE_FILE)
+    if not os.path.isfile(path):
+        load_checkpoint(directory, model)
+        return {"step": 0, "warmup_done": False, "summary": {}}
     loaded = load_checkpoint(directory, model,
                              extra_sharded={"optimizer": _optimizer_sharded(model, optimizer, True)})
     if hasattr(optimizer, "load_sharded_state_dict"):
         optimizer.load_sharded_state_dict(loaded["optimizer"])
     else:
         optimizer.load_state_dict(loaded["optimizer"])
-    path = os.path.join(directory, TRAINER_STATE_FILE)
-    if not os.path.isfile(path):
-        return {"step": 0, "warmup_done": True, "summary": {}}
     with open(path) as handle:
         return json.load(handle)

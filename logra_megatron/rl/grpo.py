@@ -137,3 +137,21 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
         dist.broadcast_object_list(holder, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
         names = holder[0]
     return {name: parallel.agree_on_scalar(summary.get(name, 0.0)) for name in names}
+
+
+@torch.no_grad()
+def rollout_logits(model, rollouts: Rollouts, rows: int, micro_batch_size: int):
+    """Vocab-parallel logits of the first ``rows`` rollouts with their own padding mask and
+    positions, on the last stage (None elsewhere): the KL controller's probe forward."""
+    import types
+
+    subset = types.SimpleNamespace(**{name: getattr(rollouts, name)[:rows] for name in
+                                      ("tokens", "attention_mask", "position_ids", "response_mask")})
+
+    def loss_func_for(batch, _):
+        return lambda logits: (logits.float().sum() * 0, {"logits": logits.detach()})
+
+    outputs = _run(model, subset, min(micro_batch_size, rows), loss_func_for, forward_only=True)
+    if not parallel.is_last_stage():
+        return None
+    return torch.cat([item["logits"] for item in outputs], dim=0)

@@ -22,7 +22,7 @@ from logra_megatron.config import TrainConfig
 from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.logra.kl_control import PredictedKLController
 from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
-from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
+from logra_megatron.rl.grpo import policy_loss_backward, rollout_logits, sequence_logprobs
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.rewards import get_reward
@@ -37,6 +37,9 @@ def _tokenizer(config: TrainConfig, tasks: ArithmeticTasks):
 
     if config.run.tokenizer_model:
         return build_tokenizer(config.run.tokenizer_type, config.run.tokenizer_model)
+    if config.run.load and os.path.isfile(os.path.join(config.run.load, "tokenizer", "tokenizer.json")):
+        # A converted Hugging Face checkpoint carries its tokenizer.
+        return build_tokenizer("HuggingFaceTokenizer", os.path.join(config.run.load, "tokenizer"))
     cache = os.environ.get("LOGRA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "logra_megatron"))
     return default_task_tokenizer(cache)  # character-level: the same for every operand range
 
@@ -85,7 +88,11 @@ def train(config: TrainConfig) -> dict:
     tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=grpo.max_operand, seed=run.seed))
     tokenizer = _tokenizer(config, tasks)
     model_config = config.model
-    if run.tokenizer_model is None and config.preset == "tiny":
+    if run.load:
+        from logra_megatron.checkpoint import load_model_config
+
+        model_config = load_model_config(run.load)  # the checkpoint decides the architecture
+    elif run.tokenizer_model is None and config.preset == "tiny":
         model_config = model_config.with_changes(vocab=tokenizer.vocab_size)
     if tokenizer.vocab_size > model_config.vocab:
         from logra_megatron.errors import UserError
@@ -150,9 +157,12 @@ def train(config: TrainConfig) -> dict:
         optimizer.zero_grad()
         loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, loss_config,
                                             ref_logprobs=ref_logprobs, temperature=grpo.temperature)
+        # Probe: the first sequences' completions; position t predicts token t+1.
         probe = min(config.kl.probe_sequences, rollouts.tokens.shape[0])
-        control = controller.step(ddp, optimizer, rollouts.tokens[:probe],
-                                  rollouts.response_mask[:probe].float().roll(-1, dims=1))
+        probe_mask = torch.zeros_like(rollouts.response_mask[:probe], dtype=torch.float)
+        probe_mask[:, :-1] = rollouts.response_mask[:probe, 1:].float()
+        control = controller.step(ddp, optimizer, rollouts.tokens[:probe], probe_mask,
+                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro))
         scheduler.step(1)
 
         elapsed = time.perf_counter() - step_start
