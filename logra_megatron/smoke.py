@@ -78,7 +78,7 @@ def run(args) -> list:
     model_config, layout, logra_config = validate(args, world_size)
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
     bare_model, model, optimizer = build_trainable(
-        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config)
+        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed)
     if args.load:
         load_checkpoint(args.load, bare_model)
 

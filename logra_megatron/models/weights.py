@@ -103,3 +103,42 @@ def load_full_state(model, state: dict) -> None:
         if key not in state:
             raise KeyError(f"state has no tensor for {key}")
         param.copy_(shard_of(state[key], param, name))
+
+
+@torch.no_grad()
+def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: float = 0.02) -> None:
+    """Re-initialize every parameter from generators seeded by (seed, global name), drawing the
+    full TP=1 tensor and keeping this rank's shard, so a fresh model has the same weights at
+    every TP/PP layout (Megatron's own init depends on the layout: pipeline stages restart the
+    generator, SwiGLU fc1 and the padded vocabulary are split differently).
+
+    Normal(0, init_std) for matrices, scaled by 1/sqrt(2 layers) for the residual-branch
+    outputs (linear_proj, linear_fc2) as in Megatron; ones for norms, zeros for biases.
+    Vocabulary padding rows are zero. Every rank draws full tensors: meant for fresh
+    (non-pretrained) models, which are small; pretrained ones are loaded from checkpoints.
+    """
+    from logra_megatron.logra.projection import name_seed
+
+    offset = layer_offset(model)
+    num_layers = model.config.num_layers
+    for local_name, param in model.named_parameters():
+        local_name = local_name.removeprefix("module.")
+        name = global_name(local_name, offset)
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            name = "embedding.word_embeddings.weight"
+        full_shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            full_shape[param.partition_dim] *= parallel.tp_size()
+        if param.dim() == 1:
+            full = torch.ones(full_shape) if "norm" in name else torch.zeros(full_shape)
+        else:
+            std = init_std
+            if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                std = init_std / (2.0 * num_layers) ** 0.5
+            generator = torch.Generator().manual_seed(name_seed(seed, name))
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                full = torch.zeros(full_shape)
+                full[:vocab_size] = torch.randn(vocab_size, full_shape[1], generator=generator) * std
+            else:
+                full = torch.randn(full_shape, generator=generator) * std
+        param.copy_(shard_of(full, param, local_name).to(param.dtype))

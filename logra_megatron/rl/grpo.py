@@ -40,19 +40,33 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
         }
 
 
-def _model_logits(model, batch):
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.Tensor:
+    """Set the logits of Megatron's vocabulary padding (ids >= ``vocab_size``; how many depends
+    on the TP size) to -inf on this rank's slice, so distributions do not depend on the layout."""
+    if vocab_size is None:
+        return logits
+    local = logits.shape[-1]
+    start = parallel.tp_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padded, float("-inf"))
+
+
+def _model_logits(model, batch, vocab_size=None):
     with rope_positions(model, batch["position_ids"]):
-        return model(batch["tokens"], batch["position_ids"], padded_causal_mask(batch["attention_mask"]))
+        logits = model(batch["tokens"], batch["position_ids"], padded_causal_mask(batch["attention_mask"]))
+    return mask_padded_vocab(logits, vocab_size)
 
 
-def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None):
+def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batches = list(_microbatches(rollouts, micro_batch_size, extra or {}))
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return _model_logits(model, batch), loss_func_for(batch, len(batches))
+        return _model_logits(model, batch, vocab_size), loss_func_for(batch, len(batches))
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
@@ -65,7 +79,8 @@ def _targets(batch):
 
 
 @torch.no_grad()
-def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperature: float = 1.0):
+def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperature: float = 1.0,
+                      vocab_size: Optional[int] = None):
     """``(logprobs, entropy)`` of shape ``[B, S-1]`` (position t scores token t+1), identical on
     every rank of the data-parallel replica (computed on the last stage, broadcast over PP)."""
     import torch.distributed as dist
@@ -78,7 +93,7 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
             return logits.float().sum() * 0, {"logprob": logprob.float(), "entropy": entropy.float()}
         return loss_func
 
-    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True)
+    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True, vocab_size=vocab_size)
     shape = (rollouts.tokens.shape[0], rollouts.tokens.shape[1] - 1)
     logprobs = torch.zeros(shape)
     entropy = torch.zeros(shape)
@@ -95,7 +110,7 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
 def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                          old_logprobs: torch.Tensor, micro_batch_size: int,
                          loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
-                         temperature: float = 1.0) -> dict:
+                         temperature: float = 1.0, vocab_size: Optional[int] = None) -> dict:
     """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
     batch (agreed on every rank): loss, pg_loss, clip_fraction, entropy, kl (if on)."""
     response_tokens = rollouts.response_mask[:, 1:].float().sum().clamp(min=1)
@@ -120,7 +135,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
             return loss * num_microbatches, reported
         return loss_func
 
-    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=False, extra=extra)
+    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=False, extra=extra,
+                   vocab_size=vocab_size)
     summary = {}
     if parallel.is_last_stage():
         keys = [key for key in outputs[0] if key != "weight"]
@@ -140,7 +156,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
 
 
 @torch.no_grad()
-def rollout_logits(model, rollouts: Rollouts, rows: int, micro_batch_size: int):
+def rollout_logits(model, rollouts: Rollouts, rows: int, micro_batch_size: int,
+                   vocab_size: Optional[int] = None):
     """Vocab-parallel logits of the first ``rows`` rollouts with their own padding mask and
     positions, on the last stage (None elsewhere): the KL controller's probe forward."""
     import types
@@ -151,7 +168,8 @@ def rollout_logits(model, rollouts: Rollouts, rows: int, micro_batch_size: int):
     def loss_func_for(batch, _):
         return lambda logits: (logits.float().sum() * 0, {"logits": logits.detach()})
 
-    outputs = _run(model, subset, min(micro_batch_size, rows), loss_func_for, forward_only=True)
+    outputs = _run(model, subset, min(micro_batch_size, rows), loss_func_for, forward_only=True,
+                   vocab_size=vocab_size)
     if not parallel.is_last_stage():
         return None
     return torch.cat([item["logits"] for item in outputs], dim=0)

@@ -99,7 +99,8 @@ def train(config: TrainConfig) -> dict:
 
         raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model_config.vocab}")
     dtype = torch.bfloat16 if run.bf16 else torch.float32
-    model, ddp, optimizer = build_trainable(model_config, config.optimizer, config.logra, dtype=dtype)
+    model, ddp, optimizer = build_trainable(model_config, config.optimizer, config.logra, dtype=dtype,
+                                            seed=run.seed)
     controller = PredictedKLController(config.kl)
     logger = MetricsLogger(run.output_dir, run.tensorboard_dir, total=run.train_iters, progress=run.progress)
     reward_fn = get_reward(grpo.reward)
@@ -127,7 +128,7 @@ def train(config: TrainConfig) -> dict:
             records = _my_share(tasks.train_prompts(grpo.prompts_per_step * grpo.group_size, step=100_000 + step))
             tokens, mask = supervised_batch(records, tokenizer, seq_length)
             loss, _ = train_step(ddp, optimizer, lambda m: lm_forward_backward(
-                m, tokens, min(run.micro_batch_size, len(records)), loss_mask=mask))
+                m, tokens, min(run.micro_batch_size, len(records)), loss_mask=mask, vocab_size=vocab))
             logger.warmup(step, run.warmup_iters, loss)
         state["warmup_done"] = True
         summary["warmup_iters"] = run.warmup_iters
@@ -150,19 +151,20 @@ def train(config: TrainConfig) -> dict:
         advantages = group_advantages(rewards, AdvantageConfig(group_size=grpo.group_size,
                                                                normalize_std=grpo.normalize_std))
         micro = min(run.micro_batch_size, rollouts.tokens.shape[0])
-        old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, grpo.temperature)
+        old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, grpo.temperature, vocab)
         ref_logprobs = None  # the KL-to-reference penalty needs a frozen copy: see README
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, loss_config,
-                                            ref_logprobs=ref_logprobs, temperature=grpo.temperature)
+                                            ref_logprobs=ref_logprobs, temperature=grpo.temperature,
+                                            vocab_size=vocab)
         # Probe: the first sequences' completions; position t predicts token t+1.
         probe = min(config.kl.probe_sequences, rollouts.tokens.shape[0])
         probe_mask = torch.zeros_like(rollouts.response_mask[:probe], dtype=torch.float)
         probe_mask[:, :-1] = rollouts.response_mask[:probe, 1:].float()
         control = controller.step(ddp, optimizer, rollouts.tokens[:probe], probe_mask,
-                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro))
+                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro, vocab))
         scheduler.step(1)
 
         elapsed = time.perf_counter() - step_start

@@ -20,10 +20,12 @@ def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
-                        forward_only: bool = False, loss_mask: torch.Tensor = None) -> float:
+                        forward_only: bool = False, loss_mask: torch.Tensor = None,
+                        vocab_size: int = None) -> float:
     """Mean LM loss of ``tokens`` ([batch, seq], the same on every rank of a DP replica).
 
-    Inputs are ``tokens[:, :-1]``, labels ``tokens[:, 1:]``. With ``forward_only=False`` the
+    Inputs are ``tokens[:, :-1]``, labels ``tokens[:, 1:]``. With ``vocab_size``, Megatron's
+    vocabulary padding is excluded from the softmax, so the loss does not depend on the TP size. With ``forward_only=False`` the
     gradients (mean over microbatches) are accumulated into the model. Returns the loss on every
     rank (computed on the last stage, broadcast over the pipeline, averaged over DP).
     """
@@ -46,8 +48,18 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
 
     def forward_step(data_iterator, model):
         mb_inputs, mb_labels, mb_mask = next(data_iterator)
-        output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
-        return output, lambda out: _lm_loss(mb_mask, out)
+        if vocab_size is None:
+            output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
+            return output, lambda out: _lm_loss(mb_mask, out)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        from logra_megatron.rl.grpo import mask_padded_vocab
+
+        logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
+        if not parallel.is_last_stage():
+            return logits, lambda out: _lm_loss(mb_mask, out)  # only the last stage calls it
+        per_token = vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), vocab_size), mb_labels)
+        return per_token, lambda out: _lm_loss(mb_mask, out)
 
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,

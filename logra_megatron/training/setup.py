@@ -11,6 +11,7 @@ import torch
 
 from logra_megatron.logra import LogRAConfig, LogRAOptimizer, logra_layer_spec
 from logra_megatron.models import ModelConfig, build_gpt_model, gpt_layer_spec, transformer_config
+from logra_megatron.models.weights import initialize_layout_independent
 
 OPTIMIZERS = ("adam", "logra")
 
@@ -42,9 +43,11 @@ class OptimizerSettings:
 
 def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     logra_config: Optional[LogRAConfig] = None, dtype=torch.float32,
-                    tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None):
+                    tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+                    seed: int = 1234):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
-    Megatron DDP wrapper (to run), and the optimizer."""
+    Megatron DDP wrapper (to run), and the optimizer. The fresh weights are a function of
+    ``seed`` alone, the same at every TP/PP layout."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
@@ -56,6 +59,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     use_logra = settings.kind == "logra"
     spec = logra_layer_spec() if use_logra else gpt_layer_spec(use_transformer_engine=False)
     model = build_gpt_model(model_config, config, spec)
+    initialize_layout_independent(model, model_config.vocab, seed)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=settings.distributed)
