@@ -83,14 +83,14 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     setup_platform()
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(
-        backend=default_backend(),
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend=default_backend(), timeout=timeout)
+        return
+    # A single process. The rendezvous address is passed explicitly rather than through
+    # os.environ, so that child processes (tools, tests) do not inherit a port this one holds.
+    dist.init_process_group(backend=default_backend(), timeout=timeout, rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{_free_port()}")
 
 
 def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> ParallelLayout:
