@@ -86,6 +86,15 @@ def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-9), key
 
 
+def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
+    proc = train([*SMALL, "--train-iters", "2", "--kl-coef", "0.1", "--kl-estimator", "k3",
+                  "--output-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(tmp_path)
+    assert all("kl" in row and row["kl"] >= 0 for row in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
+
+
 @pytest.mark.parametrize("args,message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--lr", "fast"], "argument --lr: invalid float value"),

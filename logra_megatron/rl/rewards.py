@@ -174,6 +174,20 @@ def exact_match_reward(prompt_record: dict, completion_text: str) -> float:
     return 1.0 if completion_text.strip() == str(prompt_record["answer"]).strip() else 0.0
 
 
+@register_reward("arithmetic_partial")
+def arithmetic_partial_reward(prompt_record: dict, completion_text: str) -> float:
+    """Exact answer: 1.0. A number with the right length: half credit per matching digit
+    (right-aligned) -- a denser signal than exact match for a policy that is often nearly right.
+    Anything else: 0.0. Accuracy is still measured by exact match."""
+    answer, text = str(prompt_record["answer"]).strip(), completion_text.strip()
+    if text == answer:
+        return 1.0
+    if not re.fullmatch(r"-?\d+", text) or len(text) != len(answer):
+        return 0.0
+    matches = sum(a == b for a, b in zip(text, answer))
+    return 0.5 * matches / len(answer)
+
+
 @register_reward("format")
 def format_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the completion states its answer in the expected form (module docstring)."""

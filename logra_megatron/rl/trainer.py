@@ -136,6 +136,7 @@ def train(config: TrainConfig) -> dict:
         logger.info(f"held-out accuracy (start of RL): {summary['held_out_accuracy_before']:.1f}%")
     scheduler = _lr_scheduler(optimizer, config)
     scheduler.step(state["step"])
+    reference = _frozen_reference(model, model_config, dtype) if grpo.kl_coef > 0 else None
 
     # --- RL ----------------------------------------------------------------------------------
     for step in range(state["step"], run.train_iters):
@@ -152,7 +153,9 @@ def train(config: TrainConfig) -> dict:
                                                                normalize_std=grpo.normalize_std))
         micro = min(run.micro_batch_size, rollouts.tokens.shape[0])
         old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, grpo.temperature, vocab)
-        ref_logprobs = None  # the KL-to-reference penalty needs a frozen copy: see README
+        ref_logprobs = None
+        if reference is not None:
+            ref_logprobs, _ = sequence_logprobs(reference, rollouts, micro, grpo.temperature, vocab)
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -204,6 +207,19 @@ def train(config: TrainConfig) -> dict:
     })
     path = logger.finish(summary)
     return summary if path is None else dict(summary, summary_path=path)
+
+
+def _frozen_reference(model, model_config, dtype):
+    """A frozen copy of the policy as it enters the RL phase (after any warm-up; on a resumed
+    run, as it was at the resume point), for the KL-to-reference penalty."""
+    from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
+
+    config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=dtype)
+    reference = build_gpt_model(model_config, config, gpt_layer_spec(use_transformer_engine=False))
+    reference.load_state_dict(model.state_dict())
+    for param in reference.parameters():
+        param.requires_grad_(False)
+    return reference.eval()
 
 
 def _lr_scheduler(optimizer, config: TrainConfig):
