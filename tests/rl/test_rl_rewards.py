@@ -178,3 +178,17 @@ def test_math_verify_works_outside_the_main_thread():
     thread.start()
     thread.join()
     assert results == [1.0]
+
+
+def test_arithmetic_partial_reward_on_right_wrong_and_malformed_completions():
+    from logra_megatron.rl.rewards import get_reward
+
+    reward = get_reward("arithmetic_partial")
+    record = {"prompt": "12+7=", "answer": "19"}
+    assert reward(record, "19") == 1.0
+    assert reward(record, " 19\n") == 1.0
+    assert reward(record, "18") == 0.25  # one of two digits right: half credit per digit
+    assert reward(record, "91") == 0.0
+    assert reward(record, "7") == 0.0  # wrong length
+    assert reward(record, "1x") == 0.0  # not a number
+    assert reward(record, "") == 0.0
