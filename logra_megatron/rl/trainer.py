@@ -56,14 +56,15 @@ def _dp_mean(value: float) -> float:
     return float(tensor) / parallel.dp_size()
 
 
-def evaluate(model, records, tokenizer, max_new_tokens, vocab_size) -> float:
-    """Greedy exact-match accuracy (percent) on ``records`` (split over DP replicas)."""
+def evaluate(model, records, tokenizer, max_new_tokens, vocab_size, reward=None) -> float:
+    """Greedy accuracy (percent) on ``records`` (split over DP replicas): a completion is
+    correct when ``reward`` (default: exact match) gives it full credit (>= 1)."""
     mine = _my_share(records)
     config = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id, vocab_size=vocab_size)
     rollouts = generate(model, [tokenizer.encode(r["prompt"]) for r in mine], config)
-    reward = get_reward("exact_match")
-    correct = sum(reward(record, tokenizer.decode(completion))
+    reward = reward or get_reward("exact_match")
+    correct = sum(reward(record, tokenizer.decode(completion)) >= 1.0
                   for record, completion in zip(mine, rollouts.completions()))
     return 100.0 * _dp_mean(correct / max(1, len(mine)))
 
@@ -117,7 +118,7 @@ def train(config: TrainConfig) -> dict:
         state = load_training_state(run.load, model, optimizer)
     summary = state["summary"]
     if "held_out_accuracy_initial" not in summary:
-        summary["held_out_accuracy_initial"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+        summary["held_out_accuracy_initial"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
         logger.info(f"held-out accuracy (initial): {summary['held_out_accuracy_initial']:.1f}%")
 
     # --- supervised warm-up: teach the answer format so RL has reward to work with ------------
@@ -132,7 +133,7 @@ def train(config: TrainConfig) -> dict:
             logger.warmup(step, run.warmup_iters, loss)
         state["warmup_done"] = True
         summary["warmup_iters"] = run.warmup_iters
-        summary["held_out_accuracy_before"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+        summary["held_out_accuracy_before"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
         logger.info(f"held-out accuracy (start of RL): {summary['held_out_accuracy_before']:.1f}%")
     scheduler = _lr_scheduler(optimizer, config)
     scheduler.step(state["step"])
@@ -190,7 +191,7 @@ def train(config: TrainConfig) -> dict:
 
             save_training_state(run.save, model, optimizer, model_config, state)
 
-    summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab)
+    summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
     logger.info(f"held-out accuracy (after RL): {summary['held_out_accuracy_after']:.1f}%")
     if run.save:
         from logra_megatron.rl.checkpointing import save_training_state
