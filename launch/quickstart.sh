@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job on its embedded default: no download, CPU is fine.
-# Creates or reuses .venv, installs, then runs the smoke job of the `tiny` preset at TP=2 under
-# torchrun with the LoGRA optimizer (forward/backward through Megatron's pipeline schedule, sketch-space Adam steps).
+# Creates or reuses .venv, installs, then runs the GRPO trainer on its embedded default: the
+# `tiny` preset on the offline arithmetic task, a supervised warm-up, then GRPO with LoGRA and
+# predicted-KL step control; it ends by printing the path of <output-dir>/summary.json.
+# Extra arguments go to the trainer (e.g. --output-dir runs/mine, --optimizer adam).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh" ""
 cd "$ROOT"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-torchrun --nproc-per-node 2 -m logra_megatron.smoke --tensor-model-parallel-size 2 --optimizer logra "$@"
+python -m logra_megatron.train "$@"

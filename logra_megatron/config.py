@@ -43,18 +43,22 @@ class GRPOConfig:
     reward: str = "exact_match"
     """A registered reward function (logra_megatron.rl.rewards)."""
     max_operand: int = 19
-    """The arithmetic task's largest operand (its held-out split is 10% of all problems)."""
+    """The arithmetic task's largest operand."""
+    held_out_fraction: float = 0.3
+    """Share of the arithmetic problems held out for evaluation (never trained on)."""
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """What the run does around the steps: warm-up, evaluation, logging, checkpoints."""
 
-    train_iters: int = 80
+    train_iters: int = 500
     warmup_iters: int = 150
     """Supervised warm-up steps on training prompts before RL (0 = RL from the start)."""
     warmup_lr: float = 3e-3
-    eval_prompts: int = 60
+    warmup_min_lr: Optional[float] = None
+    """The warm-up's learning rate decays (cosine) from ``warmup_lr`` to this; None = constant."""
+    eval_prompts: int = 150
     """Held-out prompts (never trained on) for the greedy accuracy before/after."""
     micro_batch_size: int = 16
     seed: int = 1234
@@ -62,6 +66,8 @@ class RunConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: int = 0
+    exit_interval: int = 0
+    """Stop (saving to ``save`` if set) once the RL iteration count is a multiple of this; 0 = never."""
     tensorboard_dir: Optional[str] = None
     log_interval: int = 1
     tokenizer_type: Optional[str] = None
@@ -100,7 +106,8 @@ def build_parser() -> ArgumentParser:
     group = parser.add_argument_group("optimization")
     group.add_argument("--optimizer", choices=("adam", "logra"), default="logra")
     group.add_argument("--lr", type=float, default=3e-4)
-    group.add_argument("--min-lr", type=float, default=None)
+    group.add_argument("--min-lr", type=float, default=0.0,
+                       help="the RL lr decays (cosine) from --lr to this over --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--weight-decay", type=float, default=0.0)
     group.add_argument("--clip-grad", type=float, default=1.0)
@@ -108,7 +115,7 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--micro-batch-size", type=int, default=16)
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="sequences per step (default: prompts-per-step x group-size)")
-    group.add_argument("--train-iters", type=int, default=80)
+    group.add_argument("--train-iters", type=int, default=500)
     group.add_argument("--seed", type=int, default=1234)
     group = parser.add_argument_group("LoGRA")
     group.add_argument("--logra-rank", default="0.5")
@@ -135,14 +142,20 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--max-new-tokens", type=int, default=6)
     group.add_argument("--reward", default="exact_match")
     group.add_argument("--max-operand", type=int, default=19, help="arithmetic task operand range 0..N")
+    group.add_argument("--held-out-fraction", type=float, default=0.3,
+                       help="share of arithmetic problems held out for evaluation")
     group = parser.add_argument_group("run")
     group.add_argument("--warmup-iters", type=int, default=150, help="supervised warm-up steps before RL")
     group.add_argument("--warmup-lr", type=float, default=3e-3)
-    group.add_argument("--eval-prompts", type=int, default=60)
+    group.add_argument("--warmup-min-lr", type=float, default=None,
+                       help="cosine-decay the warm-up's lr to this (default: constant)")
+    group.add_argument("--eval-prompts", type=int, default=150)
     group.add_argument("--output-dir", default=None, help="default: runs/<timestamp>")
     group.add_argument("--save", default=None)
     group.add_argument("--load", default=None)
     group.add_argument("--save-interval", type=int, default=0)
+    group.add_argument("--exit-interval", type=int, default=0,
+                       help="stop (and save, with --save) when the iteration is a multiple of this")
     group.add_argument("--tensorboard-dir", default=None, help="default: <output-dir>/tensorboard")
     group.add_argument("--log-interval", type=int, default=1)
     group.add_argument("--no-progress", action="store_true")
@@ -195,7 +208,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for name in positive:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("warmup_iters", "save_interval", "lr_warmup_iters"):
+    for name in ("warmup_iters", "save_interval", "exit_interval", "lr_warmup_iters"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if (args.tokenizer_type is None) != (args.tokenizer_model is None):
@@ -226,6 +239,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                          realized_interval=args.kl_realized_interval)
     if args.max_operand < 1:
         raise UserError(f"--max-operand must be >= 1, got {args.max_operand}")
+    if not 0.0 <= args.min_lr <= args.lr:
+        raise UserError(f"--min-lr must be between 0 and --lr ({args.lr}), got {args.min_lr}")
+    if not 0.0 < args.held_out_fraction < 1.0:
+        raise UserError(f"--held-out-fraction must be strictly between 0 and 1, got {args.held_out_fraction}")
+    if args.warmup_min_lr is not None and not 0.0 <= args.warmup_min_lr <= args.warmup_lr:
+        raise UserError(f"--warmup-min-lr must be between 0 and --warmup-lr ({args.warmup_lr}), "
+                        f"got {args.warmup_min_lr}")
     if args.temperature <= 0:
         raise UserError("--temperature must be > 0 for RL sampling")
     grpo = GRPOConfig(prompts_per_step=args.prompts_per_step, group_size=args.group_size,
@@ -233,15 +253,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                       clip_high=args.clip_high, kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
                       entropy_coef=args.entropy_coef, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, reward=args.reward,
-                      max_operand=args.max_operand)
+                      max_operand=args.max_operand, held_out_fraction=args.held_out_fraction)
     from logra_megatron.rl.rewards import get_reward
 
     get_reward(grpo.reward)
     output_dir = args.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     run = RunConfig(train_iters=args.train_iters, warmup_iters=args.warmup_iters, warmup_lr=args.warmup_lr,
-                    eval_prompts=args.eval_prompts, micro_batch_size=args.micro_batch_size,
+                    warmup_min_lr=args.warmup_min_lr, eval_prompts=args.eval_prompts, micro_batch_size=args.micro_batch_size,
                     seed=args.seed, output_dir=output_dir, save=args.save, load=args.load,
-                    save_interval=args.save_interval,
+                    save_interval=args.save_interval, exit_interval=args.exit_interval,
                     tensorboard_dir=args.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
                     log_interval=args.log_interval, tokenizer_type=args.tokenizer_type,
                     tokenizer_model=args.tokenizer_model,

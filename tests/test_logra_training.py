@@ -68,3 +68,40 @@ def test_rotating_the_second_moment_is_the_stable_policy(dense_run):
     # rises after the first refresh; rotate keeps decreasing.
     assert rotate[-1] < 0.5 * reset[-1], (rotate[-1], reset[-1])
     assert all(later <= earlier * 1.05 for earlier, later in zip(rotate[::5], rotate[5::5]))
+
+
+@pytest.mark.parametrize("kind", ["adam", "logra"])
+def test_reset_optimizer_state_starts_a_clean_phase(kind):
+    """After a reset, a step with a zero gradient moves nothing (no momentum left), and a step
+    with a real gradient moves the weights exactly as a fresh optimizer's first step would."""
+    from logra_megatron.training.setup import reset_optimizer_state
+
+    parallel.initialize(1, 1, seed=1234)
+    logra = LogRAConfig(rank=1.0, identity_projection=True) if kind == "logra" else None
+    settings = OptimizerSettings(kind=kind, lr=1e-2, clip_grad=1.0)
+    model, ddp, optimizer = build_trainable(MODEL, settings, logra)
+    for _ in range(3):
+        train_step(ddp, optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
+    trained = full_state(model)
+    reset_optimizer_state(optimizer)
+
+    def zero_gradient(m):
+        loss = lm_forward_backward(m, TOKENS, 4)
+        m.zero_grad_buffer()
+        optimizer.zero_grad()  # LoGRA's sketches too
+        return loss
+
+    train_step(ddp, optimizer, zero_gradient)
+    after_zero_step = full_state(model)
+    for name in trained:
+        assert torch.equal(after_zero_step[name], trained[name]), name
+    # The same first step from a fresh optimizer at the same weights.
+    fresh_model, fresh_ddp, fresh_optimizer = build_trainable(MODEL, settings, logra)
+    load_full_state(fresh_model, trained)
+    train_step(fresh_ddp, fresh_optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
+    reset_optimizer_state(optimizer)  # the zero step above counted as a step
+    train_step(ddp, optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
+    reset_model_state = full_state(model)
+    fresh_state = full_state(fresh_model)
+    for name in fresh_state:
+        assert torch.allclose(reset_model_state[name], fresh_state[name], rtol=1e-6, atol=1e-7), name

@@ -74,8 +74,13 @@ class LogRAConfig:
         self.rank_for(model.hidden, f"every sketched weight (hidden size {model.hidden})")
 
 
-def parse_rank(text: str) -> Union[int, float]:
-    """``"16"`` -> 16, ``"0.25"`` -> 0.25 (for command-line flags)."""
+def parse_rank(text) -> Union[int, float]:
+    """``"16"`` -> 16, ``"0.25"`` -> 0.25 (command-line flags); numbers pass through as they
+    are (a YAML config gives ``0.5`` as a float, which must stay a fraction)."""
+    if isinstance(text, bool):
+        raise UserError(f"--logra-rank must be an integer or a fraction, got {text!r}")
+    if isinstance(text, (int, float)):
+        return text
     try:
         return int(text)
     except ValueError:

@@ -38,6 +38,13 @@ def _unwrap(module):
     return module
 
 
+def reset_dense_state(optimizer) -> None:
+    """Drop the Adam moments of a Megatron optimizer (chained or not); torch's Adam creates
+    them again, zeroed, at the next step."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.optimizer.state.clear()
+
+
 class _SketchedWeight:
     """Bookkeeping for one sketched weight: its module, sketch, and views into flat buffers."""
 
@@ -146,6 +153,16 @@ class LogRAOptimizer:
         """Re-sync the dense optimizer's master copies from the model (after weights were set
         from outside, e.g. by the KL controller). Sketched weights have no master copy."""
         self.dense.reload_model_params(state_dict)
+
+    def reset_state(self) -> None:
+        """Forget the optimizer's history (both Adam moments, dense and sketched, and the step
+        count, so the next step also refreshes the projections): a new training phase starts
+        from a clean state. Weights and projections are kept."""
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.step_count = 0
+        self.second_moment_steps = 0
+        reset_dense_state(self.dense)
 
     def is_refresh_step(self) -> bool:
         return not self.logra.identity_projection and self.step_count % self.logra.refresh_interval == 0

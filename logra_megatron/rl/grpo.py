@@ -156,20 +156,30 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
 
 
 @torch.no_grad()
-def rollout_logits(model, rollouts: Rollouts, rows: int, micro_batch_size: int,
+def rollout_logits(model, rollouts: Rollouts, rows, micro_batch_size: int,
                    vocab_size: Optional[int] = None):
-    """Vocab-parallel logits of the first ``rows`` rollouts with their own padding mask and
-    positions, on the last stage (None elsewhere): the KL controller's probe forward."""
+    """Vocab-parallel logits of some rollouts (``rows``: a count, meaning the first ones, or a
+    tensor of row indices) with their own padding mask and positions, on the last stage (None
+    elsewhere): the KL controller's probe forward."""
     import types
 
-    subset = types.SimpleNamespace(**{name: getattr(rollouts, name)[:rows] for name in
+    index = torch.arange(rows) if isinstance(rows, int) else rows
+    subset = types.SimpleNamespace(**{name: getattr(rollouts, name)[index] for name in
                                       ("tokens", "attention_mask", "position_ids", "response_mask")})
 
     def loss_func_for(batch, _):
         return lambda logits: (logits.float().sum() * 0, {"logits": logits.detach()})
 
-    outputs = _run(model, subset, min(micro_batch_size, rows), loss_func_for, forward_only=True,
+    outputs = _run(model, subset, min(micro_batch_size, len(index)), loss_func_for, forward_only=True,
                    vocab_size=vocab_size)
     if not parallel.is_last_stage():
         return None
     return torch.cat([item["logits"] for item in outputs], dim=0)
+
+
+def probe_rows(rollouts: Rollouts, count: int) -> torch.Tensor:
+    """``count`` row indices spread evenly over the batch, so the KL probe sees as many
+    different prompts as it can (rows of one prompt are adjacent)."""
+    total = rollouts.tokens.shape[0]
+    count = min(count, total)
+    return torch.div(torch.arange(count) * total, count, rounding_mode="floor")

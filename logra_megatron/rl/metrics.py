@@ -16,8 +16,11 @@ def _is_logging_rank() -> bool:
 class MetricsLogger:
     """Writes nothing on other ranks; every method is safe to call everywhere."""
 
-    def __init__(self, output_dir: str, tensorboard_dir: str, total: int, progress: bool = True):
+    def __init__(self, output_dir: str, tensorboard_dir: str, total: int, progress: bool = True,
+                 log_interval: int = 1):
         self.active = _is_logging_rank()
+        self.total = total
+        self.log_interval = max(1, log_interval)
         self.output_dir = output_dir
         self.bar = None
         self.writer = None
@@ -41,9 +44,13 @@ class MetricsLogger:
         if self.active:
             (self.bar.write if self.bar else print)(message)
 
-    def warmup(self, step: int, total: int, loss: float) -> None:
+    def warmup(self, step: int, total: int, loss: float, grad_norm: float = None) -> None:
         if self.active:
-            self._record({"phase": "warmup", "step": step, "loss": loss})
+            self._record({"phase": "warmup", "step": step, "loss": loss, "grad_norm": grad_norm})
+            if self.writer:
+                self.writer.add_scalar("warmup/loss", loss, step)
+                if grad_norm is not None:
+                    self.writer.add_scalar("warmup/grad_norm", grad_norm, step)
             if (step + 1) % max(1, total // 10) == 0 or step + 1 == total:
                 self.info(f"warm-up {step + 1}/{total} (supervised) loss {loss:.4f}")
 
@@ -55,14 +62,16 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"rl/{key}", value, step)
+        shown = {"reward": metrics.get("reward_mean"), "acc": metrics.get("accuracy"),
+                 "kl_pred": metrics.get("kl_pred"), "scale": metrics.get("step_scale"),
+                 "tok/s": metrics.get("tokens_per_s")}
+        shown = {key: f"{value:.3g}" for key, value in shown.items() if value is not None}
         if self.bar:
-            shown = {"reward": metrics.get("reward_mean"), "acc": metrics.get("accuracy"),
-                     "kl_pred": metrics.get("kl_pred"), "scale": metrics.get("step_scale"),
-                     "tok/s": metrics.get("tokens_per_s")}
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None})
+            self.bar.set_postfix(shown)
             self.bar.update(1)
-        else:
-            print(json.dumps({"step": step, **metrics}), flush=True)
+        elif (step + 1) % self.log_interval == 0 or step + 1 == self.total:
+            # Without a bar (logs, CI): one compact line per --log-interval steps.
+            print(f"step {step + 1}/{self.total} " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
     def _record(self, row: dict) -> None:
         self.jsonl.write(json.dumps(row) + "\n")
@@ -78,7 +87,8 @@ class MetricsLogger:
                 if key in summary:
                     self.writer.add_scalar(f"eval/{key}", summary[key], 0)
             for name, value in summary.get("state_bytes", {}).items():
-                self.writer.add_scalar(f"memory/state_bytes_{name}", value, 0)
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"memory/state_bytes_{name}", value, 0)
             self.writer.close()
         self.jsonl.close()
         path = os.path.join(self.output_dir, "summary.json")

@@ -12,6 +12,7 @@ Every rank runs the same code; data-parallel replicas take their own share of th
 """
 
 import json
+import math
 import os
 import time
 
@@ -19,17 +20,17 @@ import torch
 
 from logra_megatron import parallel
 from logra_megatron.config import TrainConfig
-from logra_megatron.logra.accounting import state_bytes
+from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
 from logra_megatron.logra.kl_control import PredictedKLController
 from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
-from logra_megatron.rl.grpo import policy_loss_backward, rollout_logits, sequence_logprobs
+from logra_megatron.rl.grpo import policy_loss_backward, probe_rows, rollout_logits, sequence_logprobs
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.rewards import get_reward
 from logra_megatron.rl.rollout import SamplingConfig, generate
 from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import build_trainable, train_step
+from logra_megatron.training.setup import build_trainable, reset_optimizer_state, train_step
 
 
 def _tokenizer(config: TrainConfig, tasks: ArithmeticTasks):
@@ -66,7 +67,7 @@ def evaluate(model, records, tokenizer, max_new_tokens, vocab_size, reward=None)
     reward = reward or get_reward("exact_match")
     correct = sum(reward(record, tokenizer.decode(completion)) >= 1.0
                   for record, completion in zip(mine, rollouts.completions()))
-    return 100.0 * _dp_mean(correct / max(1, len(mine)))
+    return round(100.0 * _dp_mean(correct / max(1, len(mine))), 2)
 
 
 def supervised_batch(records, tokenizer, seq_length):
@@ -86,7 +87,8 @@ def train(config: TrainConfig) -> dict:
     run, grpo = config.run, config.grpo
     start_time = time.perf_counter()
     parallel.initialize(run.tensor_model_parallel_size, run.pipeline_model_parallel_size, seed=run.seed)
-    tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=grpo.max_operand, seed=run.seed))
+    tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=grpo.max_operand, seed=run.seed,
+                                                      held_out_fraction=grpo.held_out_fraction))
     tokenizer = _tokenizer(config, tasks)
     model_config = config.model
     if run.load:
@@ -103,7 +105,8 @@ def train(config: TrainConfig) -> dict:
     model, ddp, optimizer = build_trainable(model_config, config.optimizer, config.logra, dtype=dtype,
                                             seed=run.seed)
     controller = PredictedKLController(config.kl)
-    logger = MetricsLogger(run.output_dir, run.tensorboard_dir, total=run.train_iters, progress=run.progress)
+    logger = MetricsLogger(run.output_dir, run.tensorboard_dir, total=run.train_iters, progress=run.progress,
+                           log_interval=run.log_interval)
     reward_fn = get_reward(grpo.reward)
     loss_config = PolicyLossConfig(clip_low=grpo.clip_low, clip_high=grpo.clip_high, kl_coef=grpo.kl_coef,
                                    kl_estimator=grpo.kl_estimator, entropy_coef=grpo.entropy_coef)
@@ -123,15 +126,16 @@ def train(config: TrainConfig) -> dict:
 
     # --- supervised warm-up: teach the answer format so RL has reward to work with ------------
     if not state["warmup_done"]:
-        for group in optimizer.param_groups:
-            group["lr"] = run.warmup_lr
         for step in range(run.warmup_iters):
+            for group in optimizer.param_groups:
+                group["lr"] = _warmup_lr(run, step)
             records = _my_share(tasks.train_prompts(grpo.prompts_per_step * grpo.group_size, step=100_000 + step))
             tokens, mask = supervised_batch(records, tokenizer, seq_length)
-            loss, _ = train_step(ddp, optimizer, lambda m: lm_forward_backward(
+            loss, grad_norm = train_step(ddp, optimizer, lambda m: lm_forward_backward(
                 m, tokens, min(run.micro_batch_size, len(records)), loss_mask=mask, vocab_size=vocab))
-            logger.warmup(step, run.warmup_iters, loss)
+            logger.warmup(step, run.warmup_iters, loss, grad_norm)
         state["warmup_done"] = True
+        reset_optimizer_state(optimizer)  # RL starts from clean moments (training/setup.py)
         summary["warmup_iters"] = run.warmup_iters
         summary["held_out_accuracy_before"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
         logger.info(f"held-out accuracy (start of RL): {summary['held_out_accuracy_before']:.1f}%")
@@ -140,6 +144,7 @@ def train(config: TrainConfig) -> dict:
     reference = _frozen_reference(model, model_config, dtype) if grpo.kl_coef > 0 else None
 
     # --- RL ----------------------------------------------------------------------------------
+    saved_step = None
     for step in range(state["step"], run.train_iters):
         step_start = time.perf_counter()
         records = _my_share(tasks.train_prompts(grpo.prompts_per_step, step=step))
@@ -163,11 +168,11 @@ def train(config: TrainConfig) -> dict:
         loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, loss_config,
                                             ref_logprobs=ref_logprobs, temperature=grpo.temperature,
                                             vocab_size=vocab)
-        # Probe: the first sequences' completions; position t predicts token t+1.
-        probe = min(config.kl.probe_sequences, rollouts.tokens.shape[0])
-        probe_mask = torch.zeros_like(rollouts.response_mask[:probe], dtype=torch.float)
-        probe_mask[:, :-1] = rollouts.response_mask[:probe, 1:].float()
-        control = controller.step(ddp, optimizer, rollouts.tokens[:probe], probe_mask,
+        # Probe: completions spread over the batch's prompts; position t predicts token t+1.
+        probe = probe_rows(rollouts, config.kl.probe_sequences)
+        probe_mask = torch.zeros_like(rollouts.response_mask[probe], dtype=torch.float)
+        probe_mask[:, :-1] = rollouts.response_mask[probe, 1:].float()
+        control = controller.step(ddp, optimizer, rollouts.tokens[probe], probe_mask,
                                   logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro, vocab))
         scheduler.step(1)
 
@@ -182,6 +187,8 @@ def train(config: TrainConfig) -> dict:
             "controller_time_s": control["controller_time_s"],
             "tokens_per_s": _dp_mean(generated) * parallel.dp_size() / elapsed,
             "lr": optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+            # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
+            "state_bytes": float(sum(measured_state_bytes(ddp, optimizer).values())),
             **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
         }
         logger.step(step, metrics)
@@ -190,16 +197,24 @@ def train(config: TrainConfig) -> dict:
             from logra_megatron.rl.checkpointing import save_training_state
 
             save_training_state(run.save, model, optimizer, model_config, state)
+            saved_step = state["step"]
+        if run.exit_interval and state["step"] % run.exit_interval == 0 and state["step"] < run.train_iters:
+            logger.info(f"exiting after iteration {state['step']} (--exit-interval)"
+                        + ("; continue with --load " + run.save if run.save else ""))
+            break
 
-    summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
-    logger.info(f"held-out accuracy (after RL): {summary['held_out_accuracy_after']:.1f}%")
-    if run.save:
+    finished = state["step"] >= run.train_iters
+    if finished:
+        summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab,
+                                                      reward_fn)
+        logger.info(f"held-out accuracy (after RL): {summary['held_out_accuracy_after']:.1f}%")
+    if run.save and saved_step != state["step"]:
         from logra_megatron.rl.checkpointing import save_training_state
 
         save_training_state(run.save, model, optimizer, model_config, state)
     bytes_ = state_bytes(model, config.logra)
     summary.update({
-        "steps": run.train_iters, "optimizer": config.optimizer.kind, "preset": config.preset,
+        "steps": state["step"], "finished": finished, "optimizer": config.optimizer.kind, "preset": config.preset,
         "kl_control": config.kl.mode, "wall_time_s": time.perf_counter() - start_time,
         "state_bytes": {"dense": bytes_["dense"].total, "logra": bytes_["logra"].total},
         "tensor_model_parallel_size": parallel.tp_size(),
@@ -208,6 +223,14 @@ def train(config: TrainConfig) -> dict:
     })
     path = logger.finish(summary)
     return summary if path is None else dict(summary, summary_path=path)
+
+
+def _warmup_lr(run, step: int) -> float:
+    """The warm-up's learning rate at ``step``: constant, or cosine from warmup_lr to warmup_min_lr."""
+    if run.warmup_min_lr is None or run.warmup_iters <= 1:
+        return run.warmup_lr
+    progress = step / (run.warmup_iters - 1)
+    return run.warmup_min_lr + 0.5 * (run.warmup_lr - run.warmup_min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def _frozen_reference(model, model_config, dtype):
@@ -227,8 +250,7 @@ def _lr_scheduler(optimizer, config: TrainConfig):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     lr = config.optimizer.lr
-    min_lr = config.extras.get("min_lr")
-    min_lr = lr if min_lr is None else min_lr
+    min_lr = config.extras.get("min_lr", 0.0)
     warmup = config.extras.get("lr_warmup_iters", 0)
     for group in optimizer.param_groups:  # Megatron's groups carry None for these by default
         group["max_lr"], group["min_lr"] = lr, min_lr

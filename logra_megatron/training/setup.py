@@ -92,3 +92,16 @@ def train_step(ddp_model, optimizer, run_forward_backward):
     loss = run_forward_backward(ddp_model)
     _, grad_norm, _ = optimizer.step()
     return loss, grad_norm
+
+
+def reset_optimizer_state(optimizer) -> None:
+    """Start a new training phase with a clean optimizer: Adam moments and step counts dropped
+    (LoGRA's sketched moments too), weights kept. The RL phase calls this after the supervised
+    warm-up, whose second moments (scaled to supervised gradients, decaying over ~1000 steps)
+    would otherwise set the size of the first few hundred RL updates."""
+    from logra_megatron.logra.optimizer import LogRAOptimizer, reset_dense_state
+
+    if isinstance(optimizer, LogRAOptimizer):
+        optimizer.reset_state()
+    else:
+        reset_dense_state(optimizer)
