@@ -15,9 +15,9 @@ from typing import Optional
 from logra_megatron.cli import ArgumentParser
 from logra_megatron.errors import UserError
 from logra_megatron.logra.config import LogRAConfig, parse_rank
-from logra_megatron.logra.kl_control import KLControlConfig
+from logra_megatron.training.config import KLControlConfig
 from logra_megatron.models import ModelConfig, get_preset
-from logra_megatron.training.setup import OptimizerSettings
+from logra_megatron.training.config import OptimizerSettings
 
 
 @dataclass(frozen=True)

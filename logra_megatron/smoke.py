@@ -72,7 +72,8 @@ def run(args) -> list:
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+    from logra_megatron.training.config import OptimizerSettings
+    from logra_megatron.training.setup import build_trainable, train_step
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_config, layout, logra_config = validate(args, world_size)

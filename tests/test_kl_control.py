@@ -8,10 +8,12 @@ import torch
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.logra import LogRAConfig
-from logra_megatron.logra.kl_control import KLControlConfig, PredictedKLController
+from logra_megatron.training.config import KLControlConfig
+from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.models import get_preset
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import OptimizerSettings, build_trainable
+from logra_megatron.training.config import OptimizerSettings
+from logra_megatron.training.setup import build_trainable
 
 MODEL = get_preset("tiny")
 TOKENS = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,8 @@ from logra_megatron.logra import LogRAConfig
 from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
 from logra_megatron.models import get_preset
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+from logra_megatron.training.config import OptimizerSettings
+from logra_megatron.training.setup import build_trainable, train_step
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 

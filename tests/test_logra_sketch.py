@@ -8,7 +8,8 @@ import torch
 
 from logra_megatron.errors import UserError
 from logra_megatron.logra import LogRAConfig, parse_rank
-from logra_megatron.logra.projection import name_seed, random_orthonormal, range_finder_basis, seeded_gaussian
+from logra_megatron.logra.projection import random_orthonormal, range_finder_basis
+from logra_megatron.seeding import name_seed, seeded_gaussian
 from logra_megatron.logra.sketch import LEFT, RIGHT, LinearSketch, sketched_linear
 
 

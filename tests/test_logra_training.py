@@ -10,7 +10,8 @@ from logra_megatron.logra import LogRAConfig
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state, load_full_state
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+from logra_megatron.training.config import OptimizerSettings
+from logra_megatron.training.setup import build_trainable, train_step
 
 MODEL = get_preset("tiny")
 TOKENS = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manual_seed(0))

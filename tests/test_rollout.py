@@ -1,4 +1,4 @@
-"""Rollouts (logra_megatron.rl.rollout / sampling).
+"""Rollouts (logra_megatron.rollout: types, sampling, the Megatron engine).
 
 Multi-rank checks run once under torchrun (tests/workers/rollout_checks.py: 2 ranks, layouts
 TP=1, TP=2, PP=2 from the same full weights); the sampling filters and config validation are
@@ -10,8 +10,9 @@ import torch
 
 from dist_harness import result, run_workers
 from logra_megatron.errors import UserError
-from logra_megatron.rl.rollout import SamplingConfig, padded_causal_mask
-from logra_megatron.rl.sampling import sample_next, top_k_filter, top_p_filter
+from logra_megatron.models.positions import padded_causal_mask
+from logra_megatron.rollout.types import SamplingConfig
+from logra_megatron.rollout.sampling import sample_next, top_k_filter, top_p_filter
 
 LAYOUTS = ("tp1", "tp2", "pp2")
 RANKS = (0, 1)

@@ -75,7 +75,8 @@ def run_child(args) -> dict:
     from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
     from logra_megatron.platform import cuda_available
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.setup import OptimizerSettings, build_trainable, train_step
+    from logra_megatron.training.config import OptimizerSettings
+    from logra_megatron.training.setup import build_trainable, train_step
 
     model_config, logra_config = validate(args)
     parallel.initialize(1, 1, seed=args.seed)

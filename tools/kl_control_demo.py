@@ -38,10 +38,12 @@ def run_mode(mode, args, tokens):
 
     from logra_megatron import parallel
     from logra_megatron.logra import LogRAConfig
-    from logra_megatron.logra.kl_control import KLControlConfig, PredictedKLController
+    from logra_megatron.training.config import KLControlConfig
+from logra_megatron.training.kl_control import PredictedKLController
     from logra_megatron.models import get_preset
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.setup import OptimizerSettings, build_trainable
+    from logra_megatron.training.config import OptimizerSettings
+    from logra_megatron.training.setup import build_trainable
 
     parallel.initialize(1, 1, seed=args.seed)
     _, ddp, optimizer = build_trainable(get_preset("tiny"), OptimizerSettings(kind="logra", lr=args.lr),
@@ -71,7 +73,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from logra_megatron.logra.kl_control import KLControlConfig
+    from logra_megatron.training.config import KLControlConfig
 
     KLControlConfig(mode="probe", target=args.kl_target, probe_sequences=args.kl_probe_sequences)
     tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(args.seed))

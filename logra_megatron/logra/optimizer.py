@@ -27,7 +27,8 @@ import torch.distributed as dist
 from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import sketched_modules
-from logra_megatron.logra.projection import name_seed, random_orthonormal, range_finder_basis, seeded_gaussian
+from logra_megatron.logra.projection import random_orthonormal, range_finder_basis
+from logra_megatron.seeding import name_seed, seeded_gaussian
 from logra_megatron.logra.sketch import LEFT, RIGHT, LinearSketch
 from logra_megatron.models.weights import global_name, layer_offset, shard_of
 

@@ -5,20 +5,9 @@ randomness is drawn from generators seeded by (base seed, the weight's global na
 the same on every TP, PP and DP rank, independent of the layout.
 """
 
-import hashlib
-
 import torch
 
-
-def name_seed(base_seed: int, name: str, counter: int = 0) -> int:
-    """A 63-bit seed from a base seed, a weight's global name and a counter."""
-    digest = hashlib.sha256(f"{base_seed}/{name}/{counter}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def seeded_gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, cols, generator=generator, dtype=torch.float64).float()
+from logra_megatron.seeding import name_seed, seeded_gaussian  # noqa: F401 (re-used names)
 
 
 def random_orthonormal(dim: int, rank: int, seed: int) -> torch.Tensor:

@@ -142,3 +142,10 @@ def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     """Positions 0..s-1 for every row of a [batch, s] token tensor."""
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def unwrap_model(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers (or ``model`` itself)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model, "decoder", return_model_obj=True)

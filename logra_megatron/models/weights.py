@@ -117,7 +117,7 @@ def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: f
     Vocabulary padding rows are zero. Every rank draws full tensors: meant for fresh
     (non-pretrained) models, which are small; pretrained ones are loaded from checkpoints.
     """
-    from logra_megatron.logra.projection import name_seed
+    from logra_megatron.seeding import name_seed
 
     offset = layer_offset(model)
     num_layers = model.config.num_layers

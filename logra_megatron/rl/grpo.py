@@ -8,7 +8,7 @@
 
 Both read the logits vocab-parallel ([b, s, V/tp] on the last stage) and never gather the
 vocabulary. Rollouts are left-padded; each model call gets the padding-aware causal mask and
-per-row rotary positions (:func:`~logra_megatron.rl.rollout.rope_positions`). The loss is
+per-row rotary positions (:func:`~logra_megatron.models.positions.rope_positions`). The loss is
 normalized by the number of response tokens of this data-parallel rank's whole batch, so it
 does not depend on how the batch is split into microbatches.
 """
@@ -18,8 +18,10 @@ from typing import Optional
 import torch
 
 from logra_megatron import parallel
-from logra_megatron.rl.losses import PolicyLossConfig, policy_loss, vocab_parallel_logprobs_and_entropy
-from logra_megatron.rl.rollout import Rollouts, padded_causal_mask, rope_positions
+from logra_megatron.ops.vocab_parallel import mask_padded_vocab, vocab_parallel_logprobs_and_entropy
+from logra_megatron.rl.losses import PolicyLossConfig, policy_loss
+from logra_megatron.models.positions import padded_causal_mask, rope_positions
+from logra_megatron.rollout.types import Rollouts
 
 
 # Metrics that policy_loss divides by the batch's response tokens (sum them over microbatches);
@@ -38,19 +40,6 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
             "response_mask": rollouts.response_mask[part],
             **{key: value[part] if value is not None else None for key, value in extra.items()},
         }
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.Tensor:
-    """Set the logits of Megatron's vocabulary padding (ids >= ``vocab_size``; how many depends
-    on the TP size) to -inf on this rank's slice, so distributions do not depend on the layout."""
-    if vocab_size is None:
-        return logits
-    local = logits.shape[-1]
-    start = parallel.tp_rank() * local
-    if start + local <= vocab_size:
-        return logits
-    padded = torch.arange(start, start + local, device=logits.device) >= vocab_size
-    return logits.masked_fill(padded, float("-inf"))
 
 
 def _model_logits(model, batch, vocab_size=None):

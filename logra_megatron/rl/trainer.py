@@ -21,13 +21,14 @@ import torch
 from logra_megatron import parallel
 from logra_megatron.config import TrainConfig
 from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
-from logra_megatron.logra.kl_control import PredictedKLController
+from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
 from logra_megatron.rl.grpo import policy_loss_backward, probe_rows, rollout_logits, sequence_logprobs
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.rewards import get_reward
-from logra_megatron.rl.rollout import SamplingConfig, generate
+from logra_megatron.rollout.megatron_engine import generate
+from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.setup import build_trainable, reset_optimizer_state, train_step

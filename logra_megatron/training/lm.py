@@ -9,6 +9,7 @@ import torch
 
 from logra_megatron import parallel
 from logra_megatron.models import causal_attention_mask, position_ids_for
+from logra_megatron.ops.vocab_parallel import mask_padded_vocab
 
 
 def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -52,8 +53,6 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
             output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
             return output, lambda out: _lm_loss(mb_mask, out)
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        from logra_megatron.rl.grpo import mask_padded_vocab
 
         logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
         if not parallel.is_last_stage():

@@ -4,42 +4,14 @@ Shared by the smoke job, the benchmark and the RL trainer so the dense baseline 
 built the same way apart from the layer spec and the optimizer.
 """
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from logra_megatron.logra import LogRAConfig, LogRAOptimizer, logra_layer_spec
+from logra_megatron.training.config import OptimizerSettings
 from logra_megatron.models import ModelConfig, build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.weights import initialize_layout_independent
-
-OPTIMIZERS = ("adam", "logra")
-
-
-@dataclass
-class OptimizerSettings:
-    """What both optimizers share."""
-
-    kind: str = "logra"
-    """"adam" (Megatron dense Adam, the baseline) or "logra"."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    distributed: bool = False
-    """ZeRO-1: Megatron's distributed optimizer for dense params, sliced sketch state."""
-
-    def __post_init__(self):
-        from logra_megatron.errors import UserError
-
-        if self.kind not in OPTIMIZERS:
-            raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
-        if self.lr < 0:
-            raise UserError(f"--lr must be >= 0, got {self.lr}")
-
 
 def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     logra_config: Optional[LogRAConfig] = None, dtype=torch.float32,

@@ -8,15 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from logra_megatron.errors import UserError
+from logra_megatron.ops.vocab_parallel import (
+    vocab_parallel_kl,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_entropy,
+)
 from logra_megatron.rl.losses import (
     PolicyLossConfig,
     clipped_surrogate_loss,
     kl_estimate,
     masked_token_mean,
     policy_loss,
-    vocab_parallel_kl,
-    vocab_parallel_logprobs,
-    vocab_parallel_logprobs_and_entropy,
 )
 
 # --- clipped surrogate -------------------------------------------------------------------------

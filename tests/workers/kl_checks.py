@@ -9,11 +9,13 @@ from common import Checks
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
-from logra_megatron.logra.kl_control import KLControlConfig, PredictedKLController
+from logra_megatron.training.config import KLControlConfig
+from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import OptimizerSettings, build_trainable
+from logra_megatron.training.config import OptimizerSettings
+from logra_megatron.training.setup import build_trainable
 
 MODEL = get_preset("tiny")
 

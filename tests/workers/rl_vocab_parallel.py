@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from common import Checks
 
 from logra_megatron import parallel
-from logra_megatron.rl.losses import (
+from logra_megatron.ops.vocab_parallel import (
     vocab_parallel_kl,
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_and_entropy,

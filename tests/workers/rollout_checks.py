@@ -13,7 +13,8 @@ from common import Checks
 from logra_megatron import parallel
 from logra_megatron.models import build_gpt_model, causal_attention_mask, get_preset, position_ids_for
 from logra_megatron.models.weights import full_state, load_full_state
-from logra_megatron.rl.rollout import SamplingConfig, generate
+from logra_megatron.rollout.megatron_engine import generate
+from logra_megatron.rollout.types import SamplingConfig
 
 PRESET = get_preset("tiny")
 NEW = 8
@@ -168,7 +169,7 @@ def single_layout_checks(checks, model):
     def teacher_forced_recompute():
         """The trainer's recipe: one full forward over the left-padded rollout batch, masked with
         padded_causal_mask and positioned with rope_positions, predicts the greedy completion."""
-        from logra_megatron.rl.rollout import padded_causal_mask, rope_positions
+        from logra_megatron.models.positions import padded_causal_mask, rope_positions
 
         out = generate(model, PROMPTS, GREEDY)
         inputs = out.tokens[:, :-1]

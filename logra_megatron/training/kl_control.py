@@ -33,79 +33,13 @@ two forward passes over the probe set.
 
 import math
 import time
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from logra_megatron import parallel
-from logra_megatron.errors import UserError
-
-KL_MODES = ("off", "probe", "linear")
-
-
-@dataclass(frozen=True)
-class KLControlConfig:
-    """Settings of the predicted-KL controller (flags ``--kl-*``)."""
-
-    mode: str = "probe"
-    """"off" (plain optimizer step), "probe" (forward at W + D) or "linear" (first-order)."""
-    target: float = 0.01
-    """kl_target: the largest forecast KL per response token a step may cause (nats)."""
-    probe_sequences: int = 2
-    """How many sequences of the current batch form the probe set."""
-    realized_interval: int = 1
-    """Measure the realized KL of the committed update every N steps (0 = never)."""
-    linear_epsilon: float = 1e-3
-    """Finite-difference step (a fraction of D) of the linear forecast."""
-    max_refinements: int = 4
-    """probe mode: extra forecasts at the scaled step while it still exceeds the target."""
-    tolerance: float = 1.1
-    """probe mode: a scaled step is accepted when its forecast is <= tolerance * target."""
-
-    def __post_init__(self):
-        if self.mode not in KL_MODES:
-            raise UserError(f"--kl-control must be one of {', '.join(KL_MODES)}, got {self.mode!r}")
-        if not self.target > 0:
-            raise UserError(f"--kl-target must be > 0, got {self.target}")
-        if self.probe_sequences < 1:
-            raise UserError(f"--kl-probe-sequences must be >= 1, got {self.probe_sequences}")
-        if self.realized_interval < 0:
-            raise UserError(f"--kl-realized-interval must be >= 0, got {self.realized_interval}")
-        if not 0 < self.linear_epsilon <= 1:
-            raise UserError(f"linear_epsilon must be in (0, 1], got {self.linear_epsilon}")
-        if self.max_refinements < 0 or self.tolerance < 1:
-            raise UserError("max_refinements must be >= 0 and tolerance >= 1")
-
-
-def _vocab_parallel_mean_kl(old_logits, new_logits, mask) -> float:
-    from logra_megatron.rl.losses import vocab_parallel_kl
-
-    per_token = vocab_parallel_kl(old_logits, new_logits, group=parallel.tp_group())
-    mask = mask.to(per_token.dtype)
-    return float((per_token * mask).sum() / mask.sum().clamp(min=1))
-
-
-def _vocab_parallel_mean_variance(logits, delta, mask) -> float:
-    """Mean over masked tokens of ``0.5 * Var_p(delta)`` with ``p = softmax(logits)``; both
-    tensors are vocab-parallel slices (sums over the vocabulary all-reduced over TP)."""
-    import torch.distributed as dist
-
-    group = parallel.tp_group()
-    logits = logits.double()
-    delta = delta.double()
-    maximum = logits.amax(-1, keepdim=True)
-    if parallel.tp_size() > 1:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-    weights = (logits - maximum).exp()
-    sums = torch.stack([weights.sum(-1), (weights * delta).sum(-1), (weights * delta.square()).sum(-1)])
-    if parallel.tp_size() > 1:
-        dist.all_reduce(sums, group=group)
-    mean = sums[1] / sums[0]
-    variance = (sums[2] / sums[0] - mean.square()).clamp(min=0)
-    mask = mask.double()
-    return float((0.5 * variance * mask).sum() / mask.sum().clamp(min=1))
-
+from logra_megatron.training.config import KLControlConfig
+from logra_megatron.ops.vocab_parallel import vocab_parallel_mean_half_variance, vocab_parallel_mean_kl
 
 class PredictedKLController:
     """Wraps ``optimizer.step()`` with the forecast-and-scale procedure described above."""
@@ -145,7 +79,7 @@ class PredictedKLController:
         value = 0.0
         new_logits = self.probe_logits(model, probe_tokens)
         if parallel.is_last_stage():
-            value = _vocab_parallel_mean_kl(old_logits, new_logits, probe_mask)
+            value = vocab_parallel_mean_kl(old_logits, new_logits, probe_mask)
         return parallel.agree_on_scalar(value)
 
     def forecast(self, model, old_logits, params, before, direction, probe_tokens, probe_mask,
@@ -159,7 +93,7 @@ class PredictedKLController:
             value = 0.0
             if parallel.is_last_stage():
                 delta = (logits.double() - old_logits.double()) / epsilon
-                value = _vocab_parallel_mean_variance(old_logits, delta, probe_mask)
+                value = vocab_parallel_mean_half_variance(old_logits, delta, probe_mask)
             self.set_weights(params, before)
             return parallel.agree_on_scalar(value)
         self.set_weights(params, before, direction, scale)

@@ -61,196 +61,10 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
-from logra_megatron.rl.sampling import sample_next
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How completions are sampled. Validated on construction (:class:`UserError`)."""
-
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax; top-k, top-p and seed are then unused)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the most probable tokens up to this total probability, in (0, 1];
-    1 keeps all."""
-    top_k: int = 0
-    """Keep only the k most probable tokens; 0 keeps all."""
-    max_new_tokens: int = 128
-    """Most tokens generated per sequence (EOS included)."""
-    samples_per_prompt: int = 1
-    """G: sampled completions per prompt; ``generate`` returns len(prompts) * G rows."""
-    eos_id: Optional[int] = None
-    """End-of-sequence token: a row stops after emitting it (it is part of the completion).
-    None: rows only stop at ``max_new_tokens``."""
-    pad_id: int = 0
-    """Token written into padding positions (left of short prompts, right of finished
-    completions); it is masked out wherever it appears, so any valid id works."""
-    seed: int = 0
-    """Seed of the sampling generator: the same seed, prompts and weights give the same tokens."""
-    vocab_size: Optional[int] = None
-    """Real vocabulary size. Megatron pads the output layer to a multiple of 128 x TP; logits at
-    or beyond this index are never sampled. None: every output logit is a candidate."""
-
-    def __post_init__(self):
-        def integer(name, minimum):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise UserError(f"sampling {name} must be an integer, got {value!r}")
-            if value < minimum:
-                raise UserError(f"sampling {name} must be >= {minimum}, got {value}")
-
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise UserError(
-                f"sampling temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not (0.0 < self.top_p <= 1.0):
-            raise UserError(f"sampling top_p must be in (0, 1] (1 = no nucleus filter), got {self.top_p!r}")
-        integer("top_k", 0)
-        integer("max_new_tokens", 1)
-        integer("samples_per_prompt", 1)
-        integer("pad_id", 0)
-        integer("seed", 0)
-        if self.eos_id is not None:
-            integer("eos_id", 0)
-        if self.vocab_size is not None:
-            integer("vocab_size", 1)
-            for name in ("eos_id", "pad_id"):
-                value = getattr(self, name)
-                if value is not None and value >= self.vocab_size:
-                    raise UserError(f"sampling {name} {value} is outside the vocabulary of size {self.vocab_size}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class Rollouts:
-    """``len(prompts) * G`` sequences, as one left-padded batch (see the module docstring).
-
-    Row ``b`` is sample ``b % G`` of prompt ``prompt_index[b] = b // G``. Every tensor is on the
-    model's device and identical on every rank of the model replica.
-    """
-
-    tokens: torch.Tensor
-    """[B, P + max_new_tokens] int64: left-padded prompt in columns < P, completion from column P,
-    right-padded with ``pad_id`` after EOS / the last generated token."""
-    attention_mask: torch.Tensor
-    """[B, P + max_new_tokens] bool: True at real tokens (prompt and completion, EOS included)."""
-    response_mask: torch.Tensor
-    """[B, P + max_new_tokens] bool: True at completion tokens (EOS included)."""
-    position_ids: torch.Tensor
-    """[B, P + max_new_tokens] int64: each token's position within its own sequence (0 at the
-    first real prompt token), as used for sampling; 0 at left padding."""
-    prompt_lengths: torch.Tensor
-    """[B] int64: real prompt tokens per row."""
-    response_lengths: torch.Tensor
-    """[B] int64: completion tokens per row (EOS included)."""
-    finished: torch.Tensor
-    """[B] bool: the completion ended with EOS (False: cut at max_new_tokens)."""
-    prompt_index: torch.Tensor
-    """[B] int64: which prompt each row samples."""
-    prompt_width: int
-    """P: the longest prompt; completions start at this column."""
-    steps: int
-    """Tokens generated per row before the loop ended (<= max_new_tokens)."""
-
-    @property
-    def num_sequences(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def completion_tokens(self) -> torch.Tensor:
-        """[B, max_new_tokens]: the completion columns (EOS included, then ``pad_id``)."""
-        return self.tokens[:, self.prompt_width:]
-
-    @property
-    def completion_mask(self) -> torch.Tensor:
-        """[B, max_new_tokens] bool: ``response_mask`` over the completion columns."""
-        return self.response_mask[:, self.prompt_width:]
-
-    def prompt(self, row: int) -> List[int]:
-        """Row ``row``'s prompt tokens, without padding."""
-        return self.tokens[row, self.prompt_width - int(self.prompt_lengths[row]):self.prompt_width].tolist()
-
-    def completion(self, row: int) -> List[int]:
-        """Row ``row``'s completion tokens (EOS included), without padding."""
-        return self.tokens[row, self.prompt_width:self.prompt_width + int(self.response_lengths[row])].tolist()
-
-    def completions(self) -> List[List[int]]:
-        return [self.completion(row) for row in range(self.num_sequences)]
-
-
-def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask ([B, 1, S, S], True = masked) for a left-padded batch: causal, and
-    no query attends to a padding key. ``attention_mask`` is [B, S] bool, True at real tokens."""
-    seq = attention_mask.shape[1]
-    future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), 1)
-    return future[None, None] | ~attention_mask[:, None, None, :]
-
-
-def _unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    return get_attr_wrapped_model(model, "decoder", return_model_obj=True)
-
-
-class _RowRotary(torch.nn.Module):
-    """Stands in for ``GPTModel.rotary_pos_emb``: the same frequencies, looked up per row.
-
-    Megatron asks its rotary module for ``[S, 1, 1, dim]`` frequencies of slots ``0..S-1`` and
-    attention slices them by cache slot; returning ``[S, B, 1, dim]`` with row ``b``'s slot ``t``
-    at position ``position_ids[b, t]`` broadcasts the same way over the batch dimension.
-    """
-
-    def __init__(self, inner, position_ids: torch.Tensor):
-        super().__init__()
-        self.__dict__["_inner"] = inner  # not a registered submodule: nothing changes in state
-        self._positions = position_ids.t()  # [S, B]
-        self._cache = {}
-
-    def get_rotary_seq_len(self, *args, **kwargs):
-        return self._inner.get_rotary_seq_len(*args, **kwargs)
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if packed_seq or offset:
-            raise NotImplementedError("per-row rotary positions do not support packed sequences or offsets")
-        if max_seq_len > self._positions.shape[0]:
-            raise ValueError(f"rope_positions covers {self._positions.shape[0]} slots, model asked for {max_seq_len}")
-        if max_seq_len not in self._cache:
-            slots = self._positions[:max_seq_len]
-            table = self._inner(int(slots.max()) + 1)[:, 0, 0, :]  # [positions, dim]
-            self._cache[max_seq_len] = table[slots].unsqueeze(2)  # [S, B, 1, dim]
-        return self._cache[max_seq_len]
-
-
-@contextlib.contextmanager
-def rope_positions(model, position_ids: torch.Tensor):
-    """Within the block, ``model`` (this rank's stage, wrapped or not) applies rotary embeddings
-    at ``position_ids`` ([B, S]: row, slot -> position) instead of at the slot index.
-
-    Forwards inside the block must use this batch (``B`` rows) and at most ``S`` slots; to
-    recompute log-probs of :class:`Rollouts` in microbatches, wrap each model call with the
-    microbatch's rows of ``Rollouts.position_ids`` (and pass ``padded_causal_mask`` of its
-    ``attention_mask``). A no-op for models without rotary embeddings (their ``position_ids``
-    argument already does this).
-    """
-    gpt = _unwrap(model)
-    if getattr(gpt, "position_embedding_type", None) != "rope" or getattr(gpt, "rotary_pos_emb", None) is None:
-        yield
-        return
-    if gpt.config.apply_rope_fusion or gpt.config.multi_latent_attention or gpt.config.flash_decode:
-        raise NotImplementedError("per-row rotary positions need the unfused rotary path "
-                                  "(apply_rope_fusion, flash_decode and MLA off)")
-    original = gpt.rotary_pos_emb
-    gpt.rotary_pos_emb = _RowRotary(original, position_ids)
-    try:
-        yield
-    finally:
-        gpt.rotary_pos_emb = original
+from logra_megatron.models.build import unwrap_model
+from logra_megatron.models.positions import padded_causal_mask, rope_positions
+from logra_megatron.rollout.sampling import sample_next
+from logra_megatron.rollout.types import Rollouts, SamplingConfig
 
 
 def _honors_padding_mask(model) -> bool:
@@ -258,7 +72,7 @@ def _honors_padding_mask(model) -> bool:
     prefill and decode (Megatron's local ``DotProductAttention`` does; TE's does not)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    layers = [m for name, m in _unwrap(model).named_modules() if name.endswith("core_attention")]
+    layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
     return all(isinstance(layer, DotProductAttention) for layer in layers)
 
 
@@ -276,7 +90,7 @@ def _stage_forward(model, tokens, position_ids, attention_mask, context=None):
     from megatron.core.utils import get_attr_wrapped_model
 
     if not parallel.is_first_stage():
-        config = _unwrap(model).config
+        config = unwrap_model(model).config
         buffer = torch.empty(tokens.shape[1], tokens.shape[0], config.hidden_size,
                              dtype=config.pipeline_dtype or config.params_dtype, device=tokens.device)
         recv_from_prev_pipeline_rank_(buffer, parallel.pp_group())
@@ -339,7 +153,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     """
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     device = next(gpt.parameters()).device
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
     group = config.samples_per_prompt

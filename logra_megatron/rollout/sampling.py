@@ -1,6 +1,6 @@
 """Token sampling from next-token logits: temperature, top-k, top-p (nucleus), seeded.
 
-Pure tensor functions, no process groups: :mod:`logra_megatron.rl.rollout` calls
+Pure tensor functions, no process groups: :mod:`logra_megatron.rollout.megatron_engine` calls
 :func:`sample_next` on one rank per model replica and broadcasts the result. All arithmetic is
 done in float32 whatever the logits' dtype, so bf16 models sample from the same distribution
 their logits describe.

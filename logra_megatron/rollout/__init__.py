@@ -1,0 +1,1 @@
+"""Rollout engines: sampling completions from the current policy behind one interface."""
