@@ -39,7 +39,7 @@ def run_mode(mode, args, tokens):
     from logra_megatron import parallel
     from logra_megatron.logra import LogRAConfig
     from logra_megatron.training.config import KLControlConfig
-from logra_megatron.training.kl_control import PredictedKLController
+    from logra_megatron.training.kl_control import PredictedKLController
     from logra_megatron.models import get_preset
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.config import OptimizerSettings

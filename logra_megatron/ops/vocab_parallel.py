@@ -28,6 +28,11 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 
+# Log-probabilities are clamped to at least this before they multiply a probability: exp() of
+# anything below -746 is exactly 0 even in float64, so the clamp changes no value, but it turns
+# ``0 * -inf`` (a -inf logit, e.g. a masked vocabulary entry) into ``0 * finite`` = 0.
+_LOG_ZERO = -1000.0
+
 
 # --- vocab-parallel log-probs, entropy, KL -----------------------------------------------------
 

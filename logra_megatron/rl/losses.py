@@ -33,16 +33,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from logra_megatron.errors import UserError
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
-# Log-probabilities are clamped to at least this before they multiply a probability: exp() of
-# anything below -746 is exactly 0 even in float64, so the clamp changes no value, but it turns
-# ``0 * -inf`` (a -inf logit, e.g. a masked vocabulary entry) into ``0 * finite`` = 0.
-_LOG_ZERO = -1000.0
 
 
 @dataclass(frozen=True)
