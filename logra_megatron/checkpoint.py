@@ -44,7 +44,7 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
 
     ``extra_sharded`` is merged into the sharded state dict (optimizer, trainer state).
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # not at the top: the config schema reads model_config.json
 
     os.makedirs(directory, exist_ok=True)
     if dist.is_initialized():
@@ -61,7 +61,7 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
 def load_checkpoint(directory: str, model, extra_sharded: dict = None) -> dict:
     """Load a checkpoint into ``model`` at the current layout (any TP/PP); returns the loaded
     state dict so that owners of ``extra_sharded`` entries can restore theirs."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # (see save_checkpoint)
 
     check_checkpoint_dir(directory)
     request = {"model": model.sharded_state_dict()}

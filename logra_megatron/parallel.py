@@ -1,72 +1,24 @@
-"""Process groups and the parallel layout.
+"""Process groups.
 
-One validated :class:`ParallelLayout` says how the world is split (tensor x pipeline x data
-parallel); :func:`initialize` starts torch.distributed (from torchrun's environment, or as a
-single process), builds Megatron's process groups for the layout and seeds Megatron's RNG
-streams. The remaining functions are thin, named wrappers over ``parallel_state`` so the rest of
-the project never reaches into Megatron's globals directly.
+:func:`initialize` starts torch.distributed (from torchrun's environment, or as a single
+process), builds Megatron's process groups for a validated
+:class:`~logra_megatron.layout.ParallelLayout` and seeds Megatron's RNG streams. The remaining
+functions are thin, named wrappers over ``parallel_state`` so the rest of the project never
+reaches into Megatron's globals directly, and the two collectives every stage-spanning result
+needs: a broadcast from the last pipeline stage, and :func:`agree_on_scalar`.
 """
 
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from logra_megatron.errors import UserError
+from logra_megatron.layout import ParallelLayout
 from logra_megatron.platform import default_backend, setup_platform
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How ``world_size`` ranks are split. Validated on construction.
-
-    Megatron orders ranks tensor-parallel fastest, then data-parallel, then pipeline.
-    """
-
-    tensor_parallel: int = 1
-    """Ranks that split every linear layer (heads and FFN columns/rows)."""
-    pipeline_parallel: int = 1
-    """Pipeline stages; the transformer layers are divided evenly among them."""
-    world_size: int = 1
-    """Total ranks; the data-parallel size is what remains: world / (tp * pp)."""
-
-    def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "world_size"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} size must be >= 1, got {getattr(self, name)}")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.world_size % model_parallel != 0:
-            raise UserError(
-                f"world size {self.world_size} is not divisible by tensor-parallel "
-                f"{self.tensor_parallel} x pipeline-parallel {self.pipeline_parallel} = "
-                f"{model_parallel}; launch a multiple of {model_parallel} ranks or lower TP/PP"
-            )
-
-    @property
-    def data_parallel(self) -> int:
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
-
-    def check_model(self, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden: int,
-                    vocab_size: int, model_name: str = "model") -> None:
-        """Raise a :class:`UserError` if this layout cannot split the model."""
-        tp, pp = self.tensor_parallel, self.pipeline_parallel
-        for what, value in (("attention heads", num_heads), ("kv heads", num_kv_heads),
-                            ("ffn hidden size", ffn_hidden)):
-            if value % tp != 0:
-                raise UserError(
-                    f"{model_name} has {value} {what}, not divisible by tensor-parallel size "
-                    f"{tp}; choose a tensor-parallel size that divides {value}"
-                )
-        if num_layers % pp != 0:
-            raise UserError(
-                f"{model_name} has {num_layers} layers, not divisible by pipeline-parallel size "
-                f"{pp}; choose a pipeline-parallel size that divides {num_layers}"
-            )
-        if vocab_size < tp:
-            raise UserError(f"vocab size {vocab_size} is smaller than tensor-parallel size {tp}")
 
 
 def _free_port() -> int:
@@ -101,9 +53,6 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     """
     init_distributed()
     layout = ParallelLayout(tensor_parallel, pipeline_parallel, dist.get_world_size())
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -117,8 +66,6 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
 
 def destroy() -> None:
     """Tear down Megatron's groups and torch.distributed (end of a program)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -128,63 +75,68 @@ def destroy() -> None:
 # --- thin wrappers over parallel_state -------------------------------------------------------
 
 def tp_rank() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_rank()
 
 
 def tp_size() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def tp_group():
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_group()
 
 
 def pp_rank() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
 def pp_size() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
 def pp_group():
-    from megatron.core import parallel_state
     return parallel_state.get_pipeline_model_parallel_group()
 
 
 def dp_rank() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_data_parallel_rank()
 
 
 def dp_size() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_data_parallel_world_size()
 
 
 def dp_group():
-    from megatron.core import parallel_state
     return parallel_state.get_data_parallel_group()
 
 
 def is_first_stage() -> bool:
-    from megatron.core import parallel_state
     return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
 
 
 def is_last_stage() -> bool:
-    from megatron.core import parallel_state
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
 def last_stage_global_rank() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_pipeline_model_parallel_last_rank()
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the last pipeline stage holds it, on every stage (in place; returned for
+    convenience). Other stages pass a buffer of the same shape and dtype."""
+    if pp_size() > 1:
+        dist.broadcast(tensor, src=last_stage_global_rank(), group=pp_group())
+    return tensor
+
+
+def broadcast_object_from_last_stage(value):
+    """A picklable ``value`` as the last pipeline stage holds it, on every stage."""
+    if pp_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=last_stage_global_rank(), group=pp_group())
+    return holder[0]
 
 
 def agree_on_scalar(value, op: str = "mean") -> float:
@@ -193,9 +145,7 @@ def agree_on_scalar(value, op: str = "mean") -> float:
 
     Ranks that are not on the last stage pass any value (it is ignored).
     """
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    if pp_size() > 1:
-        dist.broadcast(tensor, src=last_stage_global_rank(), group=pp_group())
+    tensor = broadcast_from_last_stage(torch.tensor([float(value)], dtype=torch.float64))
     if dp_size() > 1:
         if op == "mean":
             dist.all_reduce(tensor, group=dp_group())

@@ -12,8 +12,13 @@ import time
 
 import torch
 
+from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
 from logra_megatron.cli import ArgumentParser
 from logra_megatron.errors import UserError, exit_on_user_error
+from logra_megatron.layout import ParallelLayout
+from logra_megatron.logra.config import LogRAConfig, parse_rank
+from logra_megatron.models.config import get_preset
+from logra_megatron.training.config import OptimizerSettings
 
 
 def parse_args(argv=None):
@@ -41,11 +46,6 @@ def parse_args(argv=None):
 
 def validate(args, world_size: int):
     """Everything that can be checked before a process group starts."""
-    from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
-    from logra_megatron.logra import LogRAConfig, parse_rank
-    from logra_megatron.models import get_preset
-    from logra_megatron.parallel import ParallelLayout
-
     if args.load:
         check_checkpoint_dir(args.load)
         model_config = load_model_config(args.load)
@@ -69,10 +69,10 @@ def validate(args, world_size: int):
 
 
 def run(args) -> list:
+    # megatron-core (~5 s to import) loads only after the flags were checked.
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.config import OptimizerSettings
     from logra_megatron.training.setup import build_trainable, train_step
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

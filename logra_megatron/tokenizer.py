@@ -220,31 +220,23 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model) -> Tokenizer:
 
 # --- the embedded default ----------------------------------------------------------------------
 
-_DEFAULT_TEXT_SAMPLES = 2000
-
-
-def _default_training_settings(task_config) -> dict:
-    import sentencepiece
-
-    from logra_megatron.rl.tasks import ArithmeticTasks
+def _default_training_settings(texts) -> dict:
+    import sentencepiece  # optional at import time: only the embedded default needs it
 
     return {
-        "task": ArithmeticTasks(task_config).settings(),
-        "text_samples": _DEFAULT_TEXT_SAMPLES,
+        "text_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
         "extra_characters": string.printable,
         "model_type": "char",
         "special_ids": {"pad": 0, "unk": 1, "bos": 2, "eos": 3},
         "sentencepiece": sentencepiece.__version__,
-        "format": 2,
+        "format": 3,
     }
 
 
-def _train_default_model(settings: dict, task_config) -> bytes:
-    import sentencepiece
+def _train_default_model(settings: dict, texts) -> bytes:
+    import sentencepiece  # optional at import time: only the embedded default needs it
 
-    from logra_megatron.rl.tasks import ArithmeticTasks
-
-    lines = ArithmeticTasks(task_config).text_samples(settings["text_samples"])
+    lines = list(texts)
     # One line of every printable ASCII character (space included) so each gets a piece.
     lines.append("".join(ch for ch in settings["extra_characters"] if ch.isprintable()))
     model = io.BytesIO()
@@ -265,17 +257,19 @@ def _train_default_model(settings: dict, task_config) -> bytes:
     return model.getvalue()
 
 
-def default_task_tokenizer(cache_dir, task_config=None) -> SentencePieceTokenizer:
-    """The embedded default tokenizer: a character-level SentencePiece model for the arithmetic
-    task (``task_config``: an :class:`~logra_megatron.rl.tasks.ArithmeticTaskConfig`, default
-    settings when None), trained on first use and cached in ``cache_dir``."""
-    settings = _default_training_settings(task_config)
+def default_task_tokenizer(cache_dir, texts) -> SentencePieceTokenizer:
+    """The embedded default tokenizer: a character-level SentencePiece model trained on
+    ``texts`` (lines of task text; the trainer passes ``rl.tasks.tokenizer_corpus()``) plus every
+    printable ASCII character, on first use, and cached in ``cache_dir`` under a hash of the
+    text and the settings. Character ids are ordered by frequency in ``texts``."""
+    texts = list(texts)
+    settings = _default_training_settings(texts)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir)
     path = cache_dir / f"task_tokenizer_{key}.model"
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        model_bytes = _train_default_model(settings, task_config)
+        model_bytes = _train_default_model(settings, texts)
         handle, temporary = tempfile.mkstemp(dir=cache_dir, prefix=".task_tokenizer_", suffix=".tmp")
         try:
             with os.fdopen(handle, "wb") as file:

@@ -9,14 +9,14 @@ Flags are validated before any process group starts; bad input is one ``error:``
 
 import sys
 
+from logra_megatron.config import parse_train_args
 from logra_megatron.errors import exit_on_user_error
 
 
 @exit_on_user_error
 def main(argv=None):
-    from logra_megatron.config import parse_train_args
-
     config = parse_train_args(sys.argv[1:] if argv is None else argv)
+    # megatron-core (~5 s to import) loads only after the flags were checked.
     from logra_megatron import parallel
     from logra_megatron.rl.trainer import train
 

@@ -25,7 +25,8 @@ def controlled_run(mode, lr=5e-2, steps=5, kind="logra"):
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind=kind, lr=lr),
                                         LogRAConfig(rank=16, refresh_interval=5))
-    controller = PredictedKLController(KLControlConfig(mode=mode, target=TARGET))
+    # The realized KL of every step (the flag's default measures it every few steps).
+    controller = PredictedKLController(KLControlConfig(mode=mode, target=TARGET, realized_interval=1))
     history = []
     for _ in range(steps):
         ddp.zero_grad_buffer()

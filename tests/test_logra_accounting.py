@@ -10,7 +10,7 @@ from dist_harness import REPO
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
-from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
+from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import get_preset
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.config import OptimizerSettings
@@ -30,7 +30,7 @@ def test_planned_state_bytes_equal_what_the_optimizer_allocates(kind):
     tokens = torch.randint(0, model_config.vocab, (2, 17))
     train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, 2))
     planned = state_bytes(model, logra)["dense" if kind == "adam" else "logra"]
-    measured = measured_state_bytes(ddp, optimizer)
+    measured = optimizer.state_bytes()
     assert measured["grad_bytes"] == planned.grad_bytes
     assert measured["projection_bytes"] == planned.projection_bytes
     # Megatron's Adam also keeps a 'step' counter tensor per parameter.

@@ -75,8 +75,6 @@ def test_rotating_the_second_moment_is_the_stable_policy(dense_run):
 def test_reset_optimizer_state_starts_a_clean_phase(kind):
     """After a reset, a step with a zero gradient moves nothing (no momentum left), and a step
     with a real gradient moves the weights exactly as a fresh optimizer's first step would."""
-    from logra_megatron.training.setup import reset_optimizer_state
-
     parallel.initialize(1, 1, seed=1234)
     logra = LogRAConfig(rank=1.0, identity_projection=True) if kind == "logra" else None
     settings = OptimizerSettings(kind=kind, lr=1e-2, clip_grad=1.0)
@@ -84,7 +82,7 @@ def test_reset_optimizer_state_starts_a_clean_phase(kind):
     for _ in range(3):
         train_step(ddp, optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
     trained = full_state(model)
-    reset_optimizer_state(optimizer)
+    optimizer.reset_state()
 
     def zero_gradient(m):
         loss = lm_forward_backward(m, TOKENS, 4)
@@ -100,7 +98,7 @@ def test_reset_optimizer_state_starts_a_clean_phase(kind):
     fresh_model, fresh_ddp, fresh_optimizer = build_trainable(MODEL, settings, logra)
     load_full_state(fresh_model, trained)
     train_step(fresh_ddp, fresh_optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
-    reset_optimizer_state(optimizer)  # the zero step above counted as a step
+    optimizer.reset_state()  # the zero step above counted as a step
     train_step(ddp, optimizer, lambda m: lm_forward_backward(m, TOKENS, 4))
     reset_model_state = full_state(model)
     fresh_state = full_state(fresh_model)

@@ -5,7 +5,7 @@ import torch
 
 from logra_megatron.errors import UserError
 from logra_megatron.models import PRESETS, ModelConfig, get_preset
-from logra_megatron.parallel import ParallelLayout
+from logra_megatron.layout import ParallelLayout
 from logra_megatron.platform import cuda_available
 
 # Published parameter counts (billions) of the models the presets mirror.

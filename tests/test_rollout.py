@@ -11,6 +11,7 @@ import torch
 from dist_harness import result, run_workers
 from logra_megatron.errors import UserError
 from logra_megatron.models.positions import padded_causal_mask
+from logra_megatron.rollout.engine import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine
 from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.rollout.sampling import sample_next, top_k_filter, top_p_filter
 
@@ -218,3 +219,13 @@ def test_good_sampling_config():
     config = SamplingConfig(temperature=0, top_p=1.0, max_new_tokens=1, eos_id=2, vocab_size=3)
     assert config.greedy
     assert not SamplingConfig(temperature=0.7).greedy
+
+
+# --- the rollout-engine interface ----------------------------------------------------------
+
+def test_engine_registry_builds_engines_that_satisfy_the_interface():
+    for name in ROLLOUT_ENGINES:
+        engine = build_rollout_engine(name, model=None)
+        assert isinstance(engine, RolloutEngine) and engine.name == name
+    with pytest.raises(UserError, match="unknown rollout engine 'nope'"):
+        build_rollout_engine("nope", model=None)

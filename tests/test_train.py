@@ -132,7 +132,7 @@ def test_config_file_keys_mirror_flags_and_flags_override(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("lr: 0.01\ntensor-model-parallel-size: 1\nkl_control: linear\ngroup-size: 4\n")
     parsed = parse_train_args(["--config", str(config), "--lr", "0.02"])
-    assert parsed.optimizer.lr == 0.02 and parsed.kl.mode == "linear" and parsed.grpo.group_size == 4
+    assert parsed.optimizer.lr == 0.02 and parsed.kl.mode == "linear" and parsed.advantages.group_size == 4
     bad = tmp_path / "bad.yaml"
     for text, message in (("colour: red\n", "unknown key 'colour'"), ("kl_control: maybe\n", "must be one of"),
                           ("lr: [1, 2]\n", "invalid value"), ("- 1\n", "must be a mapping"),
@@ -144,21 +144,31 @@ def test_config_file_keys_mirror_flags_and_flags_override(tmp_path):
 
 def test_rl_lr_decays_to_min_lr_and_the_warmup_lr_schedule():
     """The RL lr follows a cosine from --lr to --min-lr over --train-iters; the warm-up lr is
-    constant unless --warmup-min-lr asks for a cosine to it."""
+    constant unless --warmup-min-lr asks for a cosine to it (both through Megatron's scheduler,
+    training/lr_schedule.py, as the trainer builds them)."""
     import types
 
     from logra_megatron.config import parse_train_args
-    from logra_megatron.rl.trainer import _warmup_lr
+    from logra_megatron.training.lr_schedule import build_scheduler
 
     config = parse_train_args(["--lr", "1e-3", "--min-lr", "1e-4", "--train-iters", "10"])
-    assert config.extras["min_lr"] == 1e-4
-    run = types.SimpleNamespace(warmup_lr=1e-2, warmup_min_lr=None, warmup_iters=5)
-    assert [_warmup_lr(run, step) for step in range(5)] == [1e-2] * 5
-    run.warmup_min_lr = 1e-3
-    schedule = [_warmup_lr(run, step) for step in range(5)]
-    assert schedule[0] == pytest.approx(1e-2) and schedule[-1] == pytest.approx(1e-3)
-    assert schedule[2] == pytest.approx(5.5e-3)
-    assert all(a > b for a, b in zip(schedule, schedule[1:]))
+    assert config.lr_schedule.min_lr == 1e-4
+
+    def schedule(min_lr, style, steps=5, lr=1e-2):
+        optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+        scheduler = build_scheduler(optimizer, max_lr=lr, min_lr=min_lr, decay_steps=steps - 1,
+                                    decay_style=style)
+        values = []
+        for _ in range(steps):
+            values.append(optimizer.param_groups[0]["lr"])
+            scheduler.step(1)
+        return values
+
+    assert schedule(1e-2, "constant") == [1e-2] * 5
+    values = schedule(1e-3, "cosine")
+    assert values[0] == pytest.approx(1e-2) and values[-1] == pytest.approx(1e-3)
+    assert values[2] == pytest.approx(5.5e-3)
+    assert all(a > b for a, b in zip(values, values[1:]))
 
 
 @pytest.mark.parametrize("example, extra", [("tiny_arithmetic.yaml", []),

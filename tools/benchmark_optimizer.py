@@ -72,7 +72,7 @@ def run_child(args) -> dict:
     import torch
 
     from logra_megatron import parallel
-    from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
+    from logra_megatron.logra.accounting import state_bytes
     from logra_megatron.platform import cuda_available
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.config import OptimizerSettings
@@ -91,7 +91,7 @@ def run_child(args) -> dict:
         loss, _ = train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, args.micro_batch_size))
         if step > 0:  # the first step allocates Adam's state: a warm-up, not timed
             times.append(time.perf_counter() - start)
-    measured = measured_state_bytes(ddp, optimizer)
+    measured = optimizer.state_bytes()  # what this rank actually allocated
     planned = state_bytes(model, logra_config)["logra" if args.child == "logra" else "dense"]
     if cuda_available():
         peak = torch.cuda.max_memory_allocated()

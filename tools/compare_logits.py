@@ -84,14 +84,13 @@ def megatron_side(args, model, prompts, hf_greedy_tokens):
     logits are returned on the ranks of the last pipeline stage, ``None`` elsewhere)."""
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
-    from logra_megatron.convert.runtime import (build_model, from_last_stage, greedy_tokens,
-                                                megatron_logits_fn, sequence_logits)
+    from logra_megatron.convert.runtime import build_model, greedy_tokens, megatron_logits_fn, sequence_logits
 
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     megatron = build_model(model)
     load_checkpoint(args.load, megatron)
     logits_fn = megatron_logits_fn(megatron, model.vocab)
-    greedy = greedy_tokens(logits_fn, prompts, args.max_new_tokens, share=from_last_stage)
+    greedy = greedy_tokens(logits_fn, prompts, args.max_new_tokens, share=parallel.broadcast_object_from_last_stage)
     logits = sequence_logits(logits_fn, [p + g for p, g in zip(prompts, hf_greedy_tokens)])
     return greedy, logits
 
@@ -119,7 +118,7 @@ def main(argv=None):
     model = validate(args)
     launch.relaunch_if_needed(args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     from logra_megatron import parallel
-    from logra_megatron.convert.runtime import from_last_stage, from_rank0
+    from logra_megatron.convert.runtime import from_rank0
 
     try:
         hf_result = hf_side(args, model) if launch.is_rank0() else None
@@ -128,7 +127,7 @@ def main(argv=None):
         prompts, hf_greedy_tokens = from_rank0(hf_result[:2] if hf_result else None)
         hf_logits = hf_result[2] if hf_result else None
         greedy, logits = megatron_side(args, model, prompts, hf_greedy_tokens)
-        logits = from_last_stage(logits)  # to rank 0, which is on the first stage
+        logits = parallel.broadcast_object_from_last_stage(logits)  # to rank 0, which is on the first stage
         if launch.is_rank0():
             summary = report(args, prompts, hf_greedy_tokens, hf_logits, greedy, logits)
             if args.json:

@@ -49,7 +49,8 @@ def run_mode(mode, args, tokens):
     _, ddp, optimizer = build_trainable(get_preset("tiny"), OptimizerSettings(kind="logra", lr=args.lr),
                                         LogRAConfig(rank=16, refresh_interval=5))
     controller = PredictedKLController(
-        KLControlConfig(mode=mode, target=args.kl_target, probe_sequences=args.kl_probe_sequences))
+        KLControlConfig(mode=mode, target=args.kl_target, probe_sequences=args.kl_probe_sequences,
+                        realized_interval=1))  # the realized KL of every step
     probe = tokens[: args.kl_probe_sequences]
     mask = torch.ones_like(probe, dtype=torch.float)
     history = {"kl_pred": [], "kl_realized": [], "step_scale": [], "loss": []}

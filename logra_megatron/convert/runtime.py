@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
-from logra_megatron.models import ModelConfig, build_gpt_model, causal_attention_mask, position_ids_for
-from logra_megatron.models import transformer_config
+from logra_megatron.models import ModelConfig, build_gpt_model, transformer_config
+from logra_megatron.training.lm import forward_logits
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch dtype -> the name HF writes in config.json.
@@ -40,43 +40,20 @@ def build_model(model: ModelConfig, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def forward_logits(megatron, tokens: torch.Tensor, vocab: int) -> Optional[torch.Tensor]:
+def full_vocab_logits(megatron, tokens: torch.Tensor, vocab: int) -> Optional[torch.Tensor]:
     """Full-vocabulary fp32 logits ``[batch, seq, vocab]`` of ``tokens`` (``[batch, seq]``, the
-    same on every rank) on the last pipeline stage, ``None`` on the others.
-
-    Runs Megatron's forward-only pipeline schedule, gathers the vocab-parallel slices over TP
-    and drops the vocabulary padding.
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    mask = causal_attention_mask(tokens.shape[1])
-
-    def step(iterator, model):
-        batch = next(iterator)
-        output = model(batch, position_ids_for(batch), mask)
-        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
-
-    outputs = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter([tokens]), model=[megatron],
-        num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
-        forward_only=True)
-    if not parallel.is_last_stage():
+    same on every rank) on the last pipeline stage, ``None`` on the others: the vocab-parallel
+    slices of :func:`~logra_megatron.training.lm.forward_logits` gathered over TP, the
+    vocabulary padding dropped."""
+    local = forward_logits(megatron, tokens)
+    if local is None:
         return None
-    local = outputs[0]["logits"].float().contiguous()
+    local = local.float().contiguous()
     if parallel.tp_size() > 1:
         pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
         dist.all_gather(pieces, local, group=parallel.tp_group())
         local = torch.cat(pieces, dim=-1)
     return local[..., :vocab]
-
-
-def from_last_stage(value):
-    """``value`` as the last pipeline stage of this rank's pipeline holds it, on every stage."""
-    if parallel.pp_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
-    return box[0]
 
 
 def from_rank0(value):
@@ -113,7 +90,8 @@ def greedy_tokens(logits_fn, prompts: list, steps: int, share=lambda tokens: tok
     sequences for each token: no KV cache, so it checks exactly what a plain forward computes.
 
     ``logits_fn`` maps ``[batch, seq]`` tokens to ``[batch, seq, vocab]`` logits or ``None``;
-    ``share`` makes the chosen tokens known to every rank (see :func:`from_last_stage`).
+    ``share`` makes the chosen tokens known to every rank
+    (:func:`~logra_megatron.parallel.broadcast_object_from_last_stage`).
     """
     sequences = [list(prompt) for prompt in prompts]
     for _ in range(steps):
@@ -125,8 +103,8 @@ def greedy_tokens(logits_fn, prompts: list, steps: int, share=lambda tokens: tok
 
 
 def megatron_logits_fn(megatron, vocab: int):
-    """:func:`forward_logits` of ``megatron`` as a ``logits_fn`` for the helpers above."""
-    return lambda tokens: forward_logits(megatron, tokens, vocab)
+    """:func:`full_vocab_logits` of ``megatron`` as a ``logits_fn`` for the helpers above."""
+    return lambda tokens: full_vocab_logits(megatron, tokens, vocab)
 
 
 def parse_dtype(name: str) -> torch.dtype:

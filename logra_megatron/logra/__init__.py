@@ -1,15 +1,34 @@
-"""LoGRA: low-rank gradient sketches written by the backward, Adam in sketch space.
+"""LoGRA: low-rank gradient sketches written by the backward, an update rule in sketch space.
 
-- ``config.py``      LogRAConfig (rank, refresh interval, moment policy, ZeRO-1 mode)
-- ``sketch.py``      LinearSketch and the autograd function whose backward writes the sketch
-- ``layers.py``      sketching Column/RowParallelLinear and ``logra_layer_spec()``
-- ``projection.py``  seeded orthonormal projections and the randomized range finder
-- ``optimizer.py``   LogRAOptimizer: sketch-space AdamW + Megatron's optimizer for the rest
-- ``accounting.py``  bytes of grads / optimizer state / projections, dense vs LoGRA
+- ``config.py``         LogRAConfig (rank, refresh interval, moment policy, ZeRO-1 mode)
+- ``sketch.py``         LinearSketch and the autograd function whose backward writes the sketch
+- ``layers.py``         sketching Column/RowParallelLinear and ``logra_layer_spec()``
+- ``projection.py``     seeded orthonormal projections and the randomized range finder
+- ``sketch_buffer.py``  the flat sketch buffer: per-weight bookkeeping, DP all-reduce / ZeRO-1
+                        reduce-scatter, the sketch part of the gradient norm
+- ``update_rules.py``   the update-rule interface and its registry ``UPDATE_RULES``
+- ``update_adamw.py``   SketchAdamW: torch's AdamW arithmetic in sketch space (rule "adam")
+- ``refresh.py``        the refresh policy: test matrices, range-finder bases, state rotation
+- ``optimizer.py``      LogRAOptimizer: composes the above with a dense optimizer for the rest,
+                        and checkpoints both
+- ``accounting.py``     planned bytes of grads / optimizer state / projections, dense vs LoGRA
 """
 
-from logra_megatron.logra.config import LogRAConfig, parse_rank
-from logra_megatron.logra.layers import logra_layer_spec, sketched_modules
-from logra_megatron.logra.optimizer import LogRAOptimizer
+import importlib
 
-__all__ = ["LogRAConfig", "LogRAOptimizer", "logra_layer_spec", "parse_rank", "sketched_modules"]
+# The names below are resolved on first use (PEP 562) rather than imported here: importing
+# ``logra_megatron.logra.config`` (which the command line's config schema does) must not load
+# megatron-core, so that a bad flag fails in a second or two.
+_EXPORTS = {
+    "LogRAConfig": "config", "parse_rank": "config",
+    "logra_layer_spec": "layers", "sketched_modules": "layers",
+    "LogRAOptimizer": "optimizer",
+    "UPDATE_RULES": "update_rules",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

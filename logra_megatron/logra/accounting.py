@@ -4,8 +4,9 @@ projections, and data-parallel communication per step, dense Adam vs LoGRA, for 
 Two views:
 - :func:`state_bytes` counts from the model's shapes what each optimizer *would* hold (works
   for a model built with either spec; used for reports and summaries).
-- :func:`measured_state_bytes` sums the tensors an optimizer actually allocated (used by the
-  benchmark, next to the process's peak memory).
+- ``optimizer.state_bytes()`` (the training optimizer protocol, logra_megatron/training/
+  optimizer.py) sums the tensors an optimizer actually allocated (used by the benchmark, next
+  to the process's peak memory, and by the trainer's metrics).
 
 Conventions (Megatron's): gradients are reduced and stored in fp32 (``grad_reduce_in_fp32``);
 Adam holds two fp32 moments; fp32 master weights exist only when parameters are bf16/fp16.
@@ -82,33 +83,3 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
         dp_comm_bytes_per_step=(dense_remainder + sketch_numel) * FP32)
     return {"dense": dense, "logra": logra}
 
-
-def _tensor_bytes(values) -> int:
-    total = 0
-    for value in values:
-        if torch.is_tensor(value):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, dict):
-            total += _tensor_bytes(value.values())
-    return total
-
-
-def measured_state_bytes(ddp_model, optimizer) -> dict:
-    """Bytes of the gradient buffers and optimizer states actually allocated (after a step, so
-    Adam's lazily created moments exist). Returns ``grad_bytes``, ``optimizer_state_bytes``,
-    ``projection_bytes``."""
-    from logra_megatron.logra.optimizer import LogRAOptimizer
-
-    grad_bytes = sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
-                     for buffer in getattr(ddp_model, "buffers", []))
-    dense = optimizer.dense if isinstance(optimizer, LogRAOptimizer) else optimizer
-    state_bytes_ = 0
-    for inner in getattr(dense, "chained_optimizers", [dense]):
-        state_bytes_ += _tensor_bytes(inner.optimizer.state.values())
-    projection_bytes = 0
-    if isinstance(optimizer, LogRAOptimizer):
-        grad_bytes += optimizer.sketch_buffer.numel() * FP32
-        state_bytes_ += (optimizer.exp_avg.numel() + optimizer.exp_avg_sq.numel()) * FP32
-        projection_bytes = sum(p.numel() * FP32 for p in optimizer.projections().values())
-    return {"grad_bytes": grad_bytes, "optimizer_state_bytes": state_bytes_,
-            "projection_bytes": projection_bytes}

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 MOMENT_POLICIES = ("rotate", "reset")
 
@@ -12,22 +13,23 @@ MOMENT_POLICIES = ("rotate", "reset")
 class LogRAConfig:
     """How weight gradients are sketched and how the sketch-space Adam behaves."""
 
-    rank: Union[int, float] = 0.25
-    """Sketch rank r per weight: an integer, or a fraction in (0, 1] of the projected dimension
-    (the in-features of a column-parallel weight, the out-features of a row-parallel one)."""
-    refresh_interval: int = 10
-    """Refresh every projection every K optimizer steps with a randomized range finder computed
-    in that step's backward; the new basis takes effect from the next step. Step 0 always runs
-    the range finder, so the random initial basis is used for one step only."""
-    oversampling: int = 4
-    """Extra columns p of the range finder's Gaussian test matrix (r + p in all)."""
-    second_moment: str = "rotate"
-    """Second moment across a refresh: "rotate" carries it into the new basis with the squared
-    coefficients of the first moment's rotation (how a variance transforms; it stays
-    non-negative); "reset" restarts it and its bias correction. The first moment is always
-    rotated. "rotate" is the default: with "reset" the rotated first moment is divided by a
-    one-sample second moment and the step blows up (tests/test_logra_training.py measures both
-    on the same task)."""
+    rank: Union[int, float] = option(
+        0.5, flag="--logra-rank", parse=lambda text: parse_rank(text),
+        help="sketch rank r per weight: an integer, or a fraction in (0, 1] of the projected "
+             "dimension (the in-features of a column-parallel weight, the out-features of a row-parallel one)")
+    refresh_interval: int = option(
+        10, flag="--logra-refresh-interval",
+        help="refresh every projection every K optimizer steps with a randomized range finder computed "
+             "in that step's backward (step 0 always runs it)")
+    oversampling: int = option(4, flag="--logra-oversampling",
+                               help="extra columns p of the range finder's Gaussian test matrix (r + p in all)")
+    second_moment: str = option(
+        "rotate", flag="--logra-second-moment", choices=MOMENT_POLICIES,
+        help="second moment across a refresh: rotate (carried into the new basis with squared "
+             "coefficients) or reset (restarted with its bias correction)")
+    """"rotate" is the default: with "reset" the rotated first moment is divided by a one-sample
+    second moment and the step blows up (tests/test_logra_training.py measures both on the same
+    task)."""
     zero1: bool = False
     """Distributed (ZeRO-1 style) mode: reduce-scatter the sketches over data parallel, keep one
     slice of the sketch-space Adam state per DP rank, all-gather the low-rank update. The dense
@@ -37,7 +39,8 @@ class LogRAConfig:
     then exactly dense Adam. For tests of the optimizer's plumbing."""
     seed: int = 1234
     """Seeds the initial projections and the range finder's test matrices (per weight name),
-    so every rank that shares a projection builds the same one."""
+    so every rank that shares a projection builds the same one. The trainer sets it from
+    ``--seed``."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, (int, float)):

@@ -5,12 +5,14 @@ Subclasses of Megatron's ColumnParallelLinear and RowParallelLinear that overrid
 ``requires_grad = False`` at construction, so Megatron's DDP allocates no dense grad buffer for
 them and Megatron's optimizer skips them; the weight gradient exists only as the sketch that
 :class:`~logra_megatron.logra.sketch.LinearSketch` accumulates in the backward. Column-parallel
-weights get a right sketch, row-parallel weights a left sketch (DESIGN.md section 2).
+weights get a right sketch, row-parallel weights a left sketch (docs/ALGORITHM.md, "Exactness
+across TP").
 """
 
 import copy
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from logra_megatron.logra.sketch import LEFT, RIGHT, sketched_linear
@@ -23,7 +25,7 @@ class _SketchingMixin:
         self.weight.requires_grad_(False)
         self.weight.logra_sketched = True
         self.weight.logra_side = self.sketch_side
-        # Read by the backward; attached by LogRAOptimizer (None: no weight gradient at all).
+        # Read by the backward; attached by the SketchBuffer (None: no weight gradient at all).
         self.logra_sketch = None
         self.logra_anchor = torch.empty(0, requires_grad=True)
 
@@ -57,8 +59,6 @@ class SketchingRowParallelLinear(_SketchingMixin, RowParallelLinear):
 def logra_layer_spec(base_spec=None):
     """The GPT layer spec with linear_qkv, linear_proj, linear_fc1 and linear_fc2 replaced by
     sketching linears. ``base_spec`` defaults to the local megatron-core spec with RMSNorm."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     spec = copy.deepcopy(base_spec if base_spec is not None else get_gpt_layer_local_spec(normalization="RMSNorm"))
     attention = spec.submodules.self_attention.submodules
     mlp = spec.submodules.mlp.submodules

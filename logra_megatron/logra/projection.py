@@ -7,7 +7,7 @@ the same on every TP, PP and DP rank, independent of the layout.
 
 import torch
 
-from logra_megatron.seeding import name_seed, seeded_gaussian  # noqa: F401 (re-used names)
+from logra_megatron.seeding import seeded_gaussian
 
 
 def random_orthonormal(dim: int, rank: int, seed: int) -> torch.Tensor:
@@ -21,8 +21,8 @@ def random_orthonormal(dim: int, rank: int, seed: int) -> torch.Tensor:
 def range_finder_basis(sample: torch.Tensor, rank: int) -> torch.Tensor:
     """Top-``rank`` left singular vectors of the range sample ``Y = G Omega`` (``dim x (r+p)``).
 
-    DESIGN.md measured these to capture more gradient energy than the first r columns of a QR
-    of Y. Signs are normalized (largest entry of each column positive) so that identical
+    These capture more gradient energy than the first r columns of a QR of Y
+    (docs/ALGORITHM.md, "Refresh"). Signs are normalized (largest entry of each column positive) so that identical
     inputs give identical bases on every rank.
     """
     u, _, _ = torch.linalg.svd(sample.double(), full_matrices=False)

@@ -1,23 +1,24 @@
-"""Model family: Llama / Qwen2 / Mistral style decoders as Megatron ``GPTModel``s."""
+"""Model family: Llama / Qwen2 / Mistral style decoders as Megatron ``GPTModel``s.
 
-from logra_megatron.models.build import (
-    build_gpt_model,
-    causal_attention_mask,
-    gpt_layer_spec,
-    position_ids_for,
-    transformer_config,
-    transformer_engine_available,
-)
-from logra_megatron.models.config import PRESETS, ModelConfig, get_preset
+- ``config.py``     ModelConfig and the presets (plain data: no megatron-core import)
+- ``build.py``      ModelConfig -> TransformerConfig + layer spec -> GPTModel
+- ``positions.py``  left-padding masks and per-row rotary positions
+- ``weights.py``    full TP=1 tensors <-> this rank's TP/PP shards; layout-independent init
+"""
 
-__all__ = [
-    "PRESETS",
-    "ModelConfig",
-    "build_gpt_model",
-    "causal_attention_mask",
-    "get_preset",
-    "gpt_layer_spec",
-    "position_ids_for",
-    "transformer_config",
-    "transformer_engine_available",
-]
+import importlib
+
+# Resolved on first use (PEP 562): the config schema imports ``models.config`` without loading
+# megatron-core, so that a bad flag fails in a second or two.
+_EXPORTS = {
+    "PRESETS": "config", "ModelConfig": "config", "get_preset": "config",
+    "build_gpt_model": "build", "causal_attention_mask": "build", "gpt_layer_spec": "build",
+    "position_ids_for": "build", "transformer_config": "build", "transformer_engine_available": "build",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -9,6 +9,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron.models.config import ModelConfig
 from logra_megatron.platform import cuda_available
@@ -39,7 +47,6 @@ def transformer_config(
     keeps runs deterministic). ``use_cpu_initialization`` makes the initial weights independent
     of the TP layout: the full matrix is drawn from one seeded generator and then split.
     """
-    from megatron.core.transformer import TransformerConfig
 
     on_cuda = cuda_available()
     return TransformerConfig(
@@ -81,10 +88,6 @@ def transformer_config(
 def gpt_layer_spec(use_transformer_engine: Optional[bool] = None):
     """The GPT layer ``ModuleSpec``: Transformer Engine's when requested (default: when it
     imports), otherwise the local megatron-core spec with RMSNorm."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
@@ -105,8 +108,6 @@ def build_gpt_model(
     ``config`` defaults to :func:`transformer_config` at the current parallel layout;
     ``layer_spec`` to :func:`gpt_layer_spec`. The output logits stay vocab-parallel.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     if config is None:
         config = transformer_config(
@@ -146,6 +147,5 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 
 def unwrap_model(model):
     """The ``GPTModel`` inside DDP / Float16Module wrappers (or ``model`` itself)."""
-    from megatron.core.utils import get_attr_wrapped_model
 
     return get_attr_wrapped_model(model, "decoder", return_model_obj=True)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from logra_megatron import parallel
+from logra_megatron.seeding import name_seed
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
@@ -30,7 +31,9 @@ def global_name(local_name: str, offset: int) -> str:
     return f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
 
 
-def _is_swiglu_fc1(name: str) -> bool:
+def is_swiglu_fc1(name: str) -> bool:
+    """True for the SwiGLU ``linear_fc1`` weight or bias, whose TP shard is ``[gate_k; up_k]``
+    (so it is split and gathered per half)."""
     return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
 
 
@@ -39,7 +42,7 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim, rank, size = param.partition_dim, parallel.tp_rank(), parallel.tp_size()
-    if _is_swiglu_fc1(name):
+    if is_swiglu_fc1(name):
         gate, up = torch.chunk(full, 2, dim=dim)
         return torch.cat([torch.chunk(gate, size, dim)[rank], torch.chunk(up, size, dim)[rank]], dim)
     return torch.chunk(full, size, dim=dim)[rank]
@@ -52,7 +55,7 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, name: str) -> torch.Te
     dim = param.partition_dim
     pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
     dist.all_gather(pieces, local.detach().contiguous(), group=parallel.tp_group())
-    if _is_swiglu_fc1(name):
+    if is_swiglu_fc1(name):
         gates, ups = zip(*(torch.chunk(p, 2, dim=dim) for p in pieces))
         return torch.cat([torch.cat(gates, dim), torch.cat(ups, dim)], dim)
     return torch.cat(pieces, dim=dim)
@@ -117,8 +120,6 @@ def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: f
     Vocabulary padding rows are zero. Every rank draws full tensors: meant for fresh
     (non-pretrained) models, which are small; pretrained ones are loaded from checkpoints.
     """
-    from logra_megatron.seeding import name_seed
-
     offset = layer_offset(model)
     num_layers = model.config.num_layers
     for local_name, param in model.named_parameters():

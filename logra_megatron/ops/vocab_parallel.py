@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from logra_megatron import parallel
 
@@ -41,8 +42,6 @@ def _resolve_group(group):
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
-        from megatron.core import parallel_state
-
         if parallel_state.model_parallel_is_initialized():
             return parallel_state.get_tensor_model_parallel_group()
     return None

@@ -12,6 +12,7 @@ import contextlib
 import time
 
 import torch
+from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
@@ -193,7 +194,6 @@ def _install_rng_tracker():
     (``CheckpointFunction``) and the tracker; ``torch.cuda.manual_seed`` is called by
     ``model_parallel_cuda_manual_seed`` for the default (data-parallel) stream.
     """
-    from megatron.core.tensor_parallel import random as mcore_random
 
     def get_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()

@@ -35,7 +35,7 @@ def setup_platform() -> str:
     if cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         return "cuda"
-    from logra_megatron.platform.cpu_adapter import install_cpu_adapter
+    from logra_megatron.platform.cpu_adapter import install_cpu_adapter  # CPU only: it patches megatron-core
 
     install_cpu_adapter()
     return "cpu"

@@ -31,16 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 
 @dataclass(frozen=True)
 class AdvantageConfig:
     """How group rewards become advantages. Validated on construction."""
 
-    group_size: int = 8
-    """Completions sampled per prompt (``G``); the rewards tensor holds whole groups."""
-    normalize_std: bool = True
-    """Divide by the group's reward std (GRPO); False keeps only the mean baseline (Dr. GRPO)."""
+    group_size: int = option(8, help="G: completions sampled per prompt; the rewards tensor holds whole groups")
+    normalize_std: bool = option(True, flag="--no-std-normalization", negative=True,
+                                 help="do not divide group-centred rewards by the group's std "
+                                      "(Dr. GRPO's mean-only baseline)")
     unbiased_std: bool = False
     """Use the ``G - 1`` (Bessel) std instead of the population (``G``) std."""
     eps: float = 1e-6
@@ -48,7 +49,7 @@ class AdvantageConfig:
 
     def __post_init__(self):
         if self.group_size < 1:
-            raise UserError(f"group size must be >= 1, got {self.group_size}")
+            raise UserError(f"--group-size must be >= 1, got {self.group_size}")
         if self.unbiased_std and self.normalize_std and self.group_size < 2:
             raise UserError("the unbiased std needs a group size of at least 2")
         if self.eps < 0:

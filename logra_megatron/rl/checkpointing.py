@@ -34,9 +34,6 @@ def load_training_state(directory, model, optimizer) -> dict:
         return {"step": 0, "warmup_done": False, "summary": {}}
     loaded = load_checkpoint(directory, model,
                              extra_sharded={"optimizer": _optimizer_sharded(model, optimizer, True)})
-    if hasattr(optimizer, "load_sharded_state_dict"):
-        optimizer.load_sharded_state_dict(loaded["optimizer"])
-    else:
-        optimizer.load_state_dict(loaded["optimizer"])
+    optimizer.load_state_dict(loaded["optimizer"])
     with open(path) as handle:
         return json.load(handle)

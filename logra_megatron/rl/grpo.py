@@ -16,12 +16,13 @@ does not depend on how the batch is split into microbatches.
 from typing import Optional
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from logra_megatron import parallel
-from logra_megatron.ops.vocab_parallel import mask_padded_vocab, vocab_parallel_logprobs_and_entropy
+from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from logra_megatron.rl.losses import PolicyLossConfig, policy_loss
-from logra_megatron.models.positions import padded_causal_mask, rope_positions
 from logra_megatron.rollout.types import Rollouts
+from logra_megatron.training.lm import forward_logits, padded_forward
 
 
 # Metrics that policy_loss divides by the batch's response tokens (sum them over microbatches);
@@ -42,20 +43,13 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
         }
 
 
-def _model_logits(model, batch, vocab_size=None):
-    with rope_positions(model, batch["position_ids"]):
-        logits = model(batch["tokens"], batch["position_ids"], padded_causal_mask(batch["attention_mask"]))
-    return mask_padded_vocab(logits, vocab_size)
-
-
 def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     batches = list(_microbatches(rollouts, micro_batch_size, extra or {}))
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return _model_logits(model, batch, vocab_size), loss_func_for(batch, len(batches))
+        logits = padded_forward(model, batch["tokens"], batch["attention_mask"], batch["position_ids"], vocab_size)
+        return logits, loss_func_for(batch, len(batches))
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
@@ -72,8 +66,6 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
                       vocab_size: Optional[int] = None):
     """``(logprobs, entropy)`` of shape ``[B, S-1]`` (position t scores token t+1), identical on
     every rank of the data-parallel replica (computed on the last stage, broadcast over PP)."""
-    import torch.distributed as dist
-
     def loss_func_for(batch, _):
         def loss_func(logits):
             targets, _mask = _targets(batch)
@@ -89,11 +81,8 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
     if parallel.is_last_stage():
         logprobs = torch.cat([item["logprob"] for item in outputs])
         entropy = torch.cat([item["entropy"] for item in outputs])
-    if parallel.pp_size() > 1:
-        both = torch.stack([logprobs, entropy])
-        dist.broadcast(both, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
-        logprobs, entropy = both[0], both[1]
-    return logprobs, entropy
+    both = parallel.broadcast_from_last_stage(torch.stack([logprobs, entropy]))
+    return both[0], both[1]
 
 
 def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
@@ -134,36 +123,19 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                 summary[key] = float(sum(item[key] for item in outputs))
             else:
                 summary[key] = float(sum(item[key] * item["weight"] for item in outputs))
-    names = sorted(summary) if parallel.is_last_stage() else None
-    import torch.distributed as dist
-
-    if parallel.pp_size() > 1:
-        holder = [names]
-        dist.broadcast_object_list(holder, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
-        names = holder[0]
+    names = parallel.broadcast_object_from_last_stage(sorted(summary) if parallel.is_last_stage() else None)
     return {name: parallel.agree_on_scalar(summary.get(name, 0.0)) for name in names}
 
 
-@torch.no_grad()
 def rollout_logits(model, rollouts: Rollouts, rows, micro_batch_size: int,
                    vocab_size: Optional[int] = None):
     """Vocab-parallel logits of some rollouts (``rows``: a count, meaning the first ones, or a
     tensor of row indices) with their own padding mask and positions, on the last stage (None
     elsewhere): the KL controller's probe forward."""
-    import types
-
     index = torch.arange(rows) if isinstance(rows, int) else rows
-    subset = types.SimpleNamespace(**{name: getattr(rollouts, name)[index] for name in
-                                      ("tokens", "attention_mask", "position_ids", "response_mask")})
-
-    def loss_func_for(batch, _):
-        return lambda logits: (logits.float().sum() * 0, {"logits": logits.detach()})
-
-    outputs = _run(model, subset, min(micro_batch_size, len(index)), loss_func_for, forward_only=True,
-                   vocab_size=vocab_size)
-    if not parallel.is_last_stage():
-        return None
-    return torch.cat([item["logits"] for item in outputs], dim=0)
+    return forward_logits(model, rollouts.tokens[index], micro_batch_size,
+                          attention_mask=rollouts.attention_mask[index],
+                          position_ids=rollouts.position_ids[index], vocab_size=vocab_size)
 
 
 def probe_rows(rollouts: Rollouts, count: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
@@ -44,24 +45,20 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 class PolicyLossConfig:
     """The GRPO policy loss. Validated on construction."""
 
-    clip_low: float = 0.2
-    """The ratio is clipped below at ``1 - clip_low``."""
-    clip_high: float = 0.2
-    """The ratio is clipped above at ``1 + clip_high`` (DAPO's clip-higher uses 0.28)."""
-    kl_coef: float = 0.0
-    """Weight of the KL-to-reference penalty; 0 turns it off (no reference log-probs needed)."""
-    kl_estimator: str = "low_var_kl"
-    """Per-token KL estimator: k1, k2, k3 or low_var_kl (module docstring)."""
-    entropy_coef: float = 0.0
-    """Weight of an entropy bonus (subtracted from the loss); 0 turns it off."""
+    clip_low: float = option(0.2, help="the probability ratio is clipped below at 1 - clip_low")
+    clip_high: float = option(0.28, help="the ratio is clipped above at 1 + clip_high (DAPO's clip-higher)")
+    kl_coef: float = option(0.0, help="weight of the KL-to-reference penalty; 0 keeps no reference model")
+    kl_estimator: str = option("low_var_kl", choices=KL_ESTIMATORS,
+                               help="per-token estimator of the KL to the reference (module docstring)")
+    entropy_coef: float = option(0.0, help="weight of an entropy bonus (subtracted from the loss)")
 
     def __post_init__(self):
         if not 0.0 <= self.clip_low < 1.0:
-            raise UserError(f"clip_low must be in [0, 1), got {self.clip_low}")
+            raise UserError(f"--clip-low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0.0:
-            raise UserError(f"clip_high must be >= 0, got {self.clip_high}")
+            raise UserError(f"--clip-high must be >= 0, got {self.clip_high}")
         if self.kl_coef < 0.0:
-            raise UserError(f"kl_coef must be >= 0, got {self.kl_coef}")
+            raise UserError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise UserError(
                 f"unknown KL estimator {self.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}"

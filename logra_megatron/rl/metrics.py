@@ -6,6 +6,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def _is_logging_rank() -> bool:
@@ -30,14 +31,12 @@ class MetricsLogger:
         os.makedirs(output_dir, exist_ok=True)
         self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # loads tensorboard (slow): only when logging
 
             self.writer = SummaryWriter(tensorboard_dir)
         except ImportError:  # tensorboard is a declared dependency; degrade to jsonl only
             self.writer = None
         if progress:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, desc="GRPO", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def info(self, message: str) -> None:

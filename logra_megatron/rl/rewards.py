@@ -35,10 +35,11 @@ stripped of whitespace, surrounding ``$`` and ``*`` (Markdown bold) and a traili
 import functools
 import re
 import threading
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from logra_megatron.errors import UserError
-from logra_megatron.rl.tasks import make_tasks  # noqa: F401  (tasks and their rewards go together)
+from logra_megatron.schema import option
 
 RewardFn = Callable[[dict, str], float]
 _REWARDS: dict = {}
@@ -75,6 +76,17 @@ def get_reward(name: str) -> RewardFn:
     if name not in _REWARDS:
         raise UserError(f"unknown reward {name!r}; known rewards: {', '.join(available_rewards())}")
     return _REWARDS[name]
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Which registered reward scores completions (training and evaluation)."""
+
+    name: str = option("exact_match", flag="--reward",
+                       help="a registered reward: exact_match, math_verify, format, a reasoning-gym task name, ...")
+
+    def __post_init__(self):
+        get_reward(self.name)
 
 
 def weighted_reward(weights: dict) -> RewardFn:

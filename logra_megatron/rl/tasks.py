@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 ARITHMETIC_TASK = "arithmetic"
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -45,21 +46,23 @@ class ArithmeticTaskConfig:
 
     min_operand: int = 0
     """Smallest operand (inclusive). Negative operands are allowed but make prompts longer."""
-    max_operand: int = 99
-    """Largest operand (inclusive). 99 gives 2-digit problems such as ``"12+7="``."""
+    max_operand: int = option(19, help="the arithmetic task's largest operand (operands 0..N); 99 gives "
+                              "2-digit problems such as 12+7=")
     operations: tuple = ("+", "-")
     """Operators to draw from, any of ``+``, ``-``, ``*``."""
     allow_negative: bool = False
     """Allow negative results of subtraction; when False the larger operand comes first."""
-    held_out_fraction: float = 0.1
-    """Share of the problem space reserved for evaluation and never used for training."""
+    held_out_fraction: float = option(0.3, help="share of the arithmetic problems held out for evaluation "
+                                      "(never trained on)")
     split_seed: int = 0
     """Seeds the train/held-out partition (independent of ``seed`` so the split is stable)."""
     seed: int = 0
-    """Seeds the training prompt stream."""
+    """Seeds the training prompt stream (the trainer sets it from ``--seed``)."""
 
     def __post_init__(self):
         object.__setattr__(self, "operations", tuple(self.operations))
+        if self.max_operand < 1:
+            raise UserError(f"--max-operand must be >= 1, got {self.max_operand}")
         if self.min_operand > self.max_operand:
             raise UserError(
                 f"arithmetic min_operand ({self.min_operand}) is larger than max_operand "
@@ -74,7 +77,7 @@ class ArithmeticTaskConfig:
             )
         if not 0.0 < self.held_out_fraction < 1.0:
             raise UserError(
-                f"held_out_fraction must be strictly between 0 and 1, got {self.held_out_fraction}"
+                f"--held-out-fraction must be strictly between 0 and 1, got {self.held_out_fraction}"
             )
 
     @property
@@ -153,6 +156,17 @@ class ArithmeticTasks:
     def settings(self) -> dict:
         """The config as a plain dict (for hashing and logging)."""
         return asdict(self.config)
+
+
+TOKENIZER_CORPUS_TASK = ArithmeticTaskConfig(max_operand=99, held_out_fraction=0.1)
+"""The text the embedded character-level tokenizer is trained on: 2-digit arithmetic, whose
+characters cover every smaller operand range, so token ids do not depend on ``--max-operand``."""
+TOKENIZER_CORPUS_SAMPLES = 2000
+
+
+def tokenizer_corpus() -> list:
+    """Training text of the embedded tokenizer (``prompt + answer`` lines)."""
+    return ArithmeticTasks(TOKENIZER_CORPUS_TASK).text_samples(TOKENIZER_CORPUS_SAMPLES)
 
 
 def make_tasks(task_name: str, n: int, seed: int, **task_kwargs) -> list:

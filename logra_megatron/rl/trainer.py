@@ -1,75 +1,285 @@
-"""The GRPO trainer loop, top to bottom.
+"""The GRPO trainer: :func:`train` reads top to bottom, calling one named phase after another.
 
-    initialize -> tokenizer, tasks -> model + optimizer (LoGRA or dense Adam)
-    evaluate (initial) -> supervised warm-up (optional) -> evaluate (before RL)
+    build (process groups, tokenizer, tasks, model + optimizer, rollout engine, controller)
+    evaluate (initial) -> supervised warm-up (optional) -> evaluate (start of RL)
     for each step:
-        prompts -> rollouts (current policy, KV cache) -> rewards -> group advantages
+        prompts -> rollouts (engine) -> rewards -> group advantages
         -> old log-probs (and reference log-probs) -> policy loss through the pipeline schedule
-        -> optimizer step under predicted-KL control -> log -> save
+        -> optimizer step under predicted-KL control -> engine weight sync -> log -> save
     evaluate (after RL) -> summary.json
 
 Every rank runs the same code; data-parallel replicas take their own share of the prompts.
+docs/ARCHITECTURE.md walks through one RL step.
 """
 
-import json
-import math
+import dataclasses
 import os
 import time
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from logra_megatron import parallel
-from logra_megatron.config import TrainConfig
-from logra_megatron.logra.accounting import measured_state_bytes, state_bytes
-from logra_megatron.training.kl_control import PredictedKLController
-from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
+from logra_megatron.logra.accounting import state_bytes
+from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
+from logra_megatron.rl.advantages import group_advantages
+from logra_megatron.rl.checkpointing import load_training_state, save_training_state
+from logra_megatron.rl.config import TrainConfig, resolve
 from logra_megatron.rl.grpo import policy_loss_backward, probe_rows, rollout_logits, sequence_logprobs
-from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.rewards import get_reward
-from logra_megatron.rollout.megatron_engine import generate
+from logra_megatron.rl.tasks import ArithmeticTasks
+from logra_megatron.rl.tokenizers import build_run_tokenizer
+from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.rollout.types import SamplingConfig
-from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
+from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import build_trainable, reset_optimizer_state, train_step
+from logra_megatron.training.lr_schedule import build_scheduler
+from logra_megatron.training.setup import build_trainable, train_step
+
+# Sampling seeds: a function of (run seed, step, data-parallel rank), distinct for each, so a
+# resumed run draws what the uninterrupted one drew and replicas draw different samples.
+SAMPLING_SEED_PER_RUN = 1_000_003
+SAMPLING_SEED_PER_STEP = 1009
+WARMUP_PROMPT_STREAM = 100_000
+"""Warm-up batches are drawn as task steps ``WARMUP_PROMPT_STREAM + i``: a prompt stream apart
+from the RL steps' ``0 .. train_iters - 1``."""
+SEQ_LENGTH_MARGIN = 4
+"""Warm-up rows hold ``prompt + answer + EOS``; the answer may be a few tokens longer than the
+completions RL samples."""
 
 
-def _tokenizer(config: TrainConfig, tasks: ArithmeticTasks):
-    from logra_megatron.tokenizer import build_tokenizer, default_task_tokenizer
+@dataclass
+class TrainerState:
+    """What a checkpoint carries besides model and optimizer (rl/checkpointing.py)."""
 
-    if config.run.tokenizer_model:
-        return build_tokenizer(config.run.tokenizer_type, config.run.tokenizer_model)
-    if config.run.load and os.path.isfile(os.path.join(config.run.load, "tokenizer", "tokenizer.json")):
-        # A converted Hugging Face checkpoint carries its tokenizer.
-        return build_tokenizer("HuggingFaceTokenizer", os.path.join(config.run.load, "tokenizer"))
-    cache = os.environ.get("LOGRA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "logra_megatron"))
-    return default_task_tokenizer(cache)  # character-level: the same for every operand range
+    step: int = 0
+    warmup_done: bool = False
+    summary: dict = field(default_factory=dict)
 
 
-def _my_share(items: list) -> list:
-    per = len(items) // parallel.dp_size()
-    return items[parallel.dp_rank() * per : (parallel.dp_rank() + 1) * per]
+@dataclass
+class Run:
+    """Everything :func:`build` makes; the phases below read it."""
+
+    config: TrainConfig
+    tokenizer: object
+    tasks: ArithmeticTasks
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    optimizer: object
+    engine: object
+    controller: PredictedKLController
+    logger: MetricsLogger
+    reward: object
+    held_out: list
+    state: TrainerState
+    start_time: float
+    reference: Optional[torch.nn.Module] = None
+
+    @property
+    def vocab(self) -> int:
+        return self.tokenizer.vocab_size
 
 
-def _dp_mean(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if parallel.dp_size() > 1:
-        torch.distributed.all_reduce(tensor, group=parallel.dp_group())
-    return float(tensor) / parallel.dp_size()
+def train(config: TrainConfig) -> dict:
+    """Run the whole job; returns the summary (with ``summary_path`` on the logging rank)."""
+    run = build(config)
+    summary = run.state.summary
+    if "held_out_accuracy_initial" not in summary:
+        record_accuracy(run, "held_out_accuracy_initial", "initial")
+    if not run.state.warmup_done:
+        supervised_warmup(run)
+        run.state.warmup_done = True
+        run.optimizer.reset_state()  # RL starts from clean moments (docs/ARCHITECTURE.md)
+        summary["warmup_iters"] = config.warmup.iters
+        record_accuracy(run, "held_out_accuracy_before", "start of RL")
+    scheduler = rl_scheduler(run)
+    if config.loss.kl_coef > 0:
+        run.reference = frozen_reference(run)
+    saved_step = None
+    for step in range(run.state.step, config.run.train_iters):
+        metrics = rl_step(run, step)
+        scheduler.step(1)
+        run.logger.step(step, metrics)
+        run.state.step = step + 1
+        if config.checkpoint.save and config.checkpoint.save_interval \
+                and run.state.step % config.checkpoint.save_interval == 0:
+            save(run)
+            saved_step = run.state.step
+        if should_exit(run):
+            break
+    finished = run.state.step >= config.run.train_iters
+    if finished:
+        record_accuracy(run, "held_out_accuracy_after", "after RL")
+    if config.checkpoint.save and saved_step != run.state.step:
+        save(run)
+    return write_summary(run, finished)
 
 
-def evaluate(model, records, tokenizer, max_new_tokens, vocab_size, reward=None) -> float:
-    """Greedy accuracy (percent) on ``records`` (split over DP replicas): a completion is
-    correct when ``reward`` (default: exact match) gives it full credit (>= 1)."""
-    mine = _my_share(records)
-    config = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
-                            pad_id=tokenizer.pad_id, vocab_size=vocab_size)
-    rollouts = generate(model, [tokenizer.encode(r["prompt"]) for r in mine], config)
-    reward = reward or get_reward("exact_match")
-    correct = sum(reward(record, tokenizer.decode(completion)) >= 1.0
+# --- phases ------------------------------------------------------------------------------------
+
+def build(config: TrainConfig) -> Run:
+    """Process groups, tokenizer, tasks, model + optimizer, engine, controller, logger; the
+    state of a resumed run."""
+    config = config if config.model_config is not None else resolve(config)
+    start_time = time.perf_counter()
+    parallel.initialize(config.parallel.tensor_model_parallel_size,
+                        config.parallel.pipeline_model_parallel_size, seed=config.run.seed)
+    tokenizer = build_run_tokenizer(config.model, config.checkpoint.load)
+    tasks = ArithmeticTasks(config.task)
+    model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
+                                            dtype=_dtype(config), seed=config.run.seed)
+    output_dir = config.run.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    logger = MetricsLogger(output_dir, config.run.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
+                           total=config.run.train_iters, progress=config.run.progress,
+                           log_interval=config.run.log_interval)
+    state = TrainerState()
+    if config.checkpoint.load:
+        state = TrainerState(**load_training_state(config.checkpoint.load, model, optimizer))
+    return Run(config=config, tokenizer=tokenizer, tasks=tasks, model=model, ddp=ddp, optimizer=optimizer,
+               engine=build_rollout_engine(config.rollout.engine, ddp),
+               controller=PredictedKLController(config.kl), logger=logger,
+               reward=get_reward(config.reward.name), held_out=tasks.held_out(config.run.eval_prompts),
+               state=state, start_time=start_time)
+
+
+def evaluate(run: Run) -> float:
+    """Greedy accuracy (percent) on the held-out records, split over DP replicas: a completion is
+    correct when the run's reward gives it full credit (>= 1)."""
+    mine = _my_share(run.held_out)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=run.config.sampling.max_new_tokens,
+                              eos_id=run.tokenizer.eos_id, pad_id=run.tokenizer.pad_id, vocab_size=run.vocab)
+    rollouts = run.engine.generate([run.tokenizer.encode(r["prompt"]) for r in mine], sampling)
+    correct = sum(run.reward(record, run.tokenizer.decode(completion)) >= 1.0
                   for record, completion in zip(mine, rollouts.completions()))
-    return round(100.0 * _dp_mean(correct / max(1, len(mine))), 2)
+    return round(100.0 * parallel.agree_on_scalar(correct / max(1, len(mine))), 2)
 
+
+def record_accuracy(run: Run, key: str, when: str) -> None:
+    run.state.summary[key] = evaluate(run)
+    run.logger.info(f"held-out accuracy ({when}): {run.state.summary[key]:.1f}%")
+
+
+def supervised_warmup(run: Run) -> None:
+    """Teach the answer format so RL has reward to work with: next-token loss on the answer
+    and EOS of training prompts, the lr set by Megatron's scheduler (constant, or a cosine to
+    ``--warmup-min-lr``)."""
+    config = run.config
+    warmup = config.warmup
+    scheduler = build_scheduler(
+        run.optimizer, max_lr=warmup.lr, min_lr=warmup.lr if warmup.min_lr is None else warmup.min_lr,
+        decay_steps=max(1, warmup.iters - 1), decay_style="constant" if warmup.min_lr is None else "cosine",
+        weight_decay=config.optimizer.weight_decay)
+    seq_length = (max(len(run.tokenizer.encode(r["prompt"])) for r in run.held_out)
+                  + config.sampling.max_new_tokens + SEQ_LENGTH_MARGIN)
+    batch = config.rollout.prompts_per_step * config.advantages.group_size
+    for step in range(warmup.iters):
+        records = _my_share(run.tasks.train_prompts(batch, step=WARMUP_PROMPT_STREAM + step))
+        tokens, mask = supervised_batch(records, run.tokenizer, seq_length)
+        micro = min(config.run.micro_batch_size, len(records))
+        loss, grad_norm = train_step(run.ddp, run.optimizer, lambda m: lm_forward_backward(
+            m, tokens, micro, loss_mask=mask, vocab_size=run.vocab))
+        scheduler.step(1)
+        run.logger.warmup(step, warmup.iters, loss, grad_norm)
+
+
+def rl_scheduler(run: Run):
+    """The RL lr: warm-up over ``--lr-warmup-iters``, then a decay from ``--lr`` to ``--min-lr``
+    over ``--train-iters``; positioned at the resumed step."""
+    config = run.config
+    scheduler = build_scheduler(
+        run.optimizer, max_lr=config.optimizer.lr, min_lr=config.lr_schedule.min_lr,
+        decay_steps=config.run.train_iters, decay_style=config.lr_schedule.lr_decay_style,
+        warmup_steps=config.lr_schedule.lr_warmup_iters, weight_decay=config.optimizer.weight_decay)
+    scheduler.step(run.state.step)
+    return scheduler
+
+
+def rl_step(run: Run, step: int) -> dict:
+    """One GRPO step; returns its metrics (agreed on every rank)."""
+    config, tokenizer, ddp = run.config, run.tokenizer, run.ddp
+    group_size = config.advantages.group_size
+    step_start = time.perf_counter()
+    records = _my_share(run.tasks.train_prompts(config.rollout.prompts_per_step, step=step))
+    seed = config.run.seed * SAMPLING_SEED_PER_RUN + step * SAMPLING_SEED_PER_STEP + parallel.dp_rank()
+    sampling = dataclasses.replace(config.sampling, samples_per_prompt=group_size, eos_id=tokenizer.eos_id,
+                        pad_id=tokenizer.pad_id, vocab_size=run.vocab, seed=seed)
+    rollouts = run.engine.generate([tokenizer.encode(r["prompt"]) for r in records], sampling)
+    texts = [tokenizer.decode(c) for c in rollouts.completions()]
+    rewards = torch.tensor([run.reward(records[i // group_size], text) for i, text in enumerate(texts)])
+    advantages = group_advantages(rewards, config.advantages)
+
+    micro = min(config.run.micro_batch_size, rollouts.tokens.shape[0])
+    temperature = config.sampling.temperature
+    old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, temperature, run.vocab)
+    ref_logprobs = None
+    if run.reference is not None:
+        ref_logprobs, _ = sequence_logprobs(run.reference, rollouts, micro, temperature, run.vocab)
+    ddp.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
+                                        ref_logprobs=ref_logprobs, temperature=temperature,
+                                        vocab_size=run.vocab)
+    # The KL probe: completions spread over the batch's prompts; position t predicts token t+1.
+    probe = probe_rows(rollouts, config.kl.probe_sequences)
+    probe_mask = torch.zeros_like(rollouts.response_mask[probe], dtype=torch.float)
+    probe_mask[:, :-1] = rollouts.response_mask[probe, 1:].float()
+    control = run.controller.step(ddp, run.optimizer, rollouts.tokens[probe], probe_mask,
+                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro, run.vocab))
+    run.engine.sync_weights(ddp)
+
+    elapsed = time.perf_counter() - step_start
+    agree = parallel.agree_on_scalar
+    return {
+        "reward_mean": agree(float(rewards.mean())),
+        "reward_std": agree(float(rewards.std())),
+        "accuracy": 100.0 * agree(float((rewards >= 1.0).float().mean())),
+        "grad_norm": control["grad_norm"], "kl_pred": control["kl_pred"],
+        "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
+        "controller_time_s": control["controller_time_s"],
+        "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
+        "lr": run.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+        # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
+        "state_bytes": float(sum(run.optimizer.state_bytes().values())),
+        **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
+    }
+
+
+def should_exit(run: Run) -> bool:
+    """``--exit-interval``: stop (the caller saves with ``--save``) at a multiple of it."""
+    step, interval = run.state.step, run.config.run.exit_interval
+    if not interval or step % interval or step >= run.config.run.train_iters:
+        return False
+    save_hint = "; continue with --load " + run.config.checkpoint.save if run.config.checkpoint.save else ""
+    run.logger.info(f"exiting after iteration {step} (--exit-interval){save_hint}")
+    return True
+
+
+def save(run: Run) -> None:
+    save_training_state(run.config.checkpoint.save, run.model, run.optimizer, run.config.model_config,
+                        vars(run.state))
+
+
+def write_summary(run: Run, finished: bool) -> dict:
+    config = run.config
+    planned = state_bytes(run.model, config.logra)
+    summary = run.state.summary
+    summary.update({
+        "steps": run.state.step, "finished": finished, "optimizer": config.optimizer.kind,
+        "preset": config.model.preset, "kl_control": config.kl.mode,
+        "wall_time_s": time.perf_counter() - run.start_time,
+        "state_bytes": {"dense": planned["dense"].total, "logra": planned["logra"].total},
+        "tensor_model_parallel_size": parallel.tp_size(),
+        "pipeline_model_parallel_size": parallel.pp_size(),
+        "data_parallel_size": parallel.dp_size(),
+    })
+    path = run.logger.finish(summary)
+    return summary if path is None else dict(summary, summary_path=path)
+
+
+# --- helpers -----------------------------------------------------------------------------------
 
 def supervised_batch(records, tokenizer, seq_length):
     """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS."""
@@ -84,179 +294,22 @@ def supervised_batch(records, tokenizer, seq_length):
     return tokens, mask
 
 
-def train(config: TrainConfig) -> dict:
-    run, grpo = config.run, config.grpo
-    start_time = time.perf_counter()
-    parallel.initialize(run.tensor_model_parallel_size, run.pipeline_model_parallel_size, seed=run.seed)
-    tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=grpo.max_operand, seed=run.seed,
-                                                      held_out_fraction=grpo.held_out_fraction))
-    tokenizer = _tokenizer(config, tasks)
-    model_config = config.model
-    if run.load:
-        from logra_megatron.checkpoint import load_model_config
-
-        model_config = load_model_config(run.load)  # the checkpoint decides the architecture
-    elif run.tokenizer_model is None and config.preset == "tiny":
-        model_config = model_config.with_changes(vocab=tokenizer.vocab_size)
-    if tokenizer.vocab_size > model_config.vocab:
-        from logra_megatron.errors import UserError
-
-        raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model_config.vocab}")
-    dtype = torch.bfloat16 if run.bf16 else torch.float32
-    model, ddp, optimizer = build_trainable(model_config, config.optimizer, config.logra, dtype=dtype,
-                                            seed=run.seed)
-    controller = PredictedKLController(config.kl)
-    logger = MetricsLogger(run.output_dir, run.tensorboard_dir, total=run.train_iters, progress=run.progress,
-                           log_interval=run.log_interval)
-    reward_fn = get_reward(grpo.reward)
-    loss_config = PolicyLossConfig(clip_low=grpo.clip_low, clip_high=grpo.clip_high, kl_coef=grpo.kl_coef,
-                                   kl_estimator=grpo.kl_estimator, entropy_coef=grpo.entropy_coef)
-    held_out = tasks.held_out(run.eval_prompts)
-    vocab = tokenizer.vocab_size
-    seq_length = max(len(tokenizer.encode(r["prompt"])) for r in held_out) + grpo.max_new_tokens + 4
-
-    state = {"step": 0, "warmup_done": False, "summary": {}}
-    if run.load:
-        from logra_megatron.rl.checkpointing import load_training_state
-
-        state = load_training_state(run.load, model, optimizer)
-    summary = state["summary"]
-    if "held_out_accuracy_initial" not in summary:
-        summary["held_out_accuracy_initial"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
-        logger.info(f"held-out accuracy (initial): {summary['held_out_accuracy_initial']:.1f}%")
-
-    # --- supervised warm-up: teach the answer format so RL has reward to work with ------------
-    if not state["warmup_done"]:
-        for step in range(run.warmup_iters):
-            for group in optimizer.param_groups:
-                group["lr"] = _warmup_lr(run, step)
-            records = _my_share(tasks.train_prompts(grpo.prompts_per_step * grpo.group_size, step=100_000 + step))
-            tokens, mask = supervised_batch(records, tokenizer, seq_length)
-            loss, grad_norm = train_step(ddp, optimizer, lambda m: lm_forward_backward(
-                m, tokens, min(run.micro_batch_size, len(records)), loss_mask=mask, vocab_size=vocab))
-            logger.warmup(step, run.warmup_iters, loss, grad_norm)
-        state["warmup_done"] = True
-        reset_optimizer_state(optimizer)  # RL starts from clean moments (training/setup.py)
-        summary["warmup_iters"] = run.warmup_iters
-        summary["held_out_accuracy_before"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab, reward_fn)
-        logger.info(f"held-out accuracy (start of RL): {summary['held_out_accuracy_before']:.1f}%")
-    scheduler = _lr_scheduler(optimizer, config)
-    scheduler.step(state["step"])
-    reference = _frozen_reference(model, model_config, dtype) if grpo.kl_coef > 0 else None
-
-    # --- RL ----------------------------------------------------------------------------------
-    saved_step = None
-    for step in range(state["step"], run.train_iters):
-        step_start = time.perf_counter()
-        records = _my_share(tasks.train_prompts(grpo.prompts_per_step, step=step))
-        sampling = SamplingConfig(temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k,
-                                  max_new_tokens=grpo.max_new_tokens, samples_per_prompt=grpo.group_size,
-                                  eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, vocab_size=vocab,
-                                  seed=run.seed * 1_000_003 + step * 1009 + parallel.dp_rank())
-        rollouts = generate(ddp, [tokenizer.encode(r["prompt"]) for r in records], sampling)
-        texts = [tokenizer.decode(c) for c in rollouts.completions()]
-        rewards = torch.tensor([reward_fn(records[i // grpo.group_size], text) for i, text in enumerate(texts)])
-        advantages = group_advantages(rewards, AdvantageConfig(group_size=grpo.group_size,
-                                                               normalize_std=grpo.normalize_std))
-        micro = min(run.micro_batch_size, rollouts.tokens.shape[0])
-        old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, grpo.temperature, vocab)
-        ref_logprobs = None
-        if reference is not None:
-            ref_logprobs, _ = sequence_logprobs(reference, rollouts, micro, grpo.temperature, vocab)
-
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, loss_config,
-                                            ref_logprobs=ref_logprobs, temperature=grpo.temperature,
-                                            vocab_size=vocab)
-        # Probe: completions spread over the batch's prompts; position t predicts token t+1.
-        probe = probe_rows(rollouts, config.kl.probe_sequences)
-        probe_mask = torch.zeros_like(rollouts.response_mask[probe], dtype=torch.float)
-        probe_mask[:, :-1] = rollouts.response_mask[probe, 1:].float()
-        control = controller.step(ddp, optimizer, rollouts.tokens[probe], probe_mask,
-                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro, vocab))
-        scheduler.step(1)
-
-        elapsed = time.perf_counter() - step_start
-        generated = float(rollouts.response_mask.sum())
-        metrics = {
-            "reward_mean": _dp_mean(float(rewards.mean())),
-            "reward_std": _dp_mean(float(rewards.std())),
-            "accuracy": 100.0 * _dp_mean(float((rewards >= 1.0).float().mean())),
-            "grad_norm": control["grad_norm"], "kl_pred": control["kl_pred"],
-            "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
-            "controller_time_s": control["controller_time_s"],
-            "tokens_per_s": _dp_mean(generated) * parallel.dp_size() / elapsed,
-            "lr": optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
-            # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
-            "state_bytes": float(sum(measured_state_bytes(ddp, optimizer).values())),
-            **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
-        }
-        logger.step(step, metrics)
-        state["step"] = step + 1
-        if run.save and run.save_interval and state["step"] % run.save_interval == 0:
-            from logra_megatron.rl.checkpointing import save_training_state
-
-            save_training_state(run.save, model, optimizer, model_config, state)
-            saved_step = state["step"]
-        if run.exit_interval and state["step"] % run.exit_interval == 0 and state["step"] < run.train_iters:
-            logger.info(f"exiting after iteration {state['step']} (--exit-interval)"
-                        + ("; continue with --load " + run.save if run.save else ""))
-            break
-
-    finished = state["step"] >= run.train_iters
-    if finished:
-        summary["held_out_accuracy_after"] = evaluate(ddp, held_out, tokenizer, grpo.max_new_tokens, vocab,
-                                                      reward_fn)
-        logger.info(f"held-out accuracy (after RL): {summary['held_out_accuracy_after']:.1f}%")
-    if run.save and saved_step != state["step"]:
-        from logra_megatron.rl.checkpointing import save_training_state
-
-        save_training_state(run.save, model, optimizer, model_config, state)
-    bytes_ = state_bytes(model, config.logra)
-    summary.update({
-        "steps": state["step"], "finished": finished, "optimizer": config.optimizer.kind, "preset": config.preset,
-        "kl_control": config.kl.mode, "wall_time_s": time.perf_counter() - start_time,
-        "state_bytes": {"dense": bytes_["dense"].total, "logra": bytes_["logra"].total},
-        "tensor_model_parallel_size": parallel.tp_size(),
-        "pipeline_model_parallel_size": parallel.pp_size(),
-        "data_parallel_size": parallel.dp_size(),
-    })
-    path = logger.finish(summary)
-    return summary if path is None else dict(summary, summary_path=path)
-
-
-def _warmup_lr(run, step: int) -> float:
-    """The warm-up's learning rate at ``step``: constant, or cosine from warmup_lr to warmup_min_lr."""
-    if run.warmup_min_lr is None or run.warmup_iters <= 1:
-        return run.warmup_lr
-    progress = step / (run.warmup_iters - 1)
-    return run.warmup_min_lr + 0.5 * (run.warmup_lr - run.warmup_min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def _frozen_reference(model, model_config, dtype):
+def frozen_reference(run: Run) -> torch.nn.Module:
     """A frozen copy of the policy as it enters the RL phase (after any warm-up; on a resumed
     run, as it was at the resume point), for the KL-to-reference penalty."""
-    from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
-
-    config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=dtype)
+    model_config = run.config.model_config
+    config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=_dtype(run.config))
     reference = build_gpt_model(model_config, config, gpt_layer_spec(use_transformer_engine=False))
-    reference.load_state_dict(model.state_dict())
+    reference.load_state_dict(run.model.state_dict())
     for param in reference.parameters():
         param.requires_grad_(False)
     return reference.eval()
 
 
-def _lr_scheduler(optimizer, config: TrainConfig):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def _my_share(items: list) -> list:
+    per = len(items) // parallel.dp_size()
+    return items[parallel.dp_rank() * per : (parallel.dp_rank() + 1) * per]
 
-    lr = config.optimizer.lr
-    min_lr = config.extras.get("min_lr", 0.0)
-    warmup = config.extras.get("lr_warmup_iters", 0)
-    for group in optimizer.param_groups:  # Megatron's groups carry None for these by default
-        group["max_lr"], group["min_lr"] = lr, min_lr
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=max(config.run.train_iters, warmup + 1), lr_decay_style="cosine",
-        start_wd=config.optimizer.weight_decay, end_wd=config.optimizer.weight_decay,
-        wd_incr_steps=max(config.run.train_iters, 1), wd_incr_style="constant")
+
+def _dtype(config: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if config.model.bf16 else torch.float32

@@ -52,12 +52,16 @@ as given; offset it by the data-parallel rank when replicas should draw differen
 """
 
 import contextlib
-import math
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+import time
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.inference.communication_utils import recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
@@ -70,8 +74,6 @@ from logra_megatron.rollout.types import Rollouts, SamplingConfig
 def _honors_padding_mask(model) -> bool:
     """True when every attention layer of this stage applies an explicit boolean mask in both
     prefill and decode (Megatron's local ``DotProductAttention`` does; TE's does not)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
     return all(isinstance(layer, DotProductAttention) for layer in layers)
 
@@ -83,12 +85,6 @@ def _stage_forward(model, tokens, position_ids, attention_mask, context=None):
     (non-last stages) and returns the full-vocabulary logits [B, s', V] on the last stage (s' = 1
     with a static inference context, which materializes only the last column), None elsewhere.
     """
-    from megatron.core.inference.communication_utils import (
-        recv_from_prev_pipeline_rank_,
-        send_to_next_pipeline_rank,
-    )
-    from megatron.core.utils import get_attr_wrapped_model
-
     if not parallel.is_first_stage():
         config = unwrap_model(model).config
         buffer = torch.empty(tokens.shape[1], tokens.shape[0], config.hidden_size,
@@ -107,16 +103,12 @@ def _stage_forward(model, tokens, position_ids, attention_mask, context=None):
 
 def _agree_on_tokens(tokens: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
     """The tokens sampled on TP rank 0 of the last stage, on every rank of the replica."""
-    from megatron.core import parallel_state
-
     if tokens is None:
         tokens = torch.empty(batch, dtype=torch.int64, device=device)
     if parallel.is_last_stage() and parallel.tp_size() > 1:
         dist.broadcast(tokens, src=parallel_state.get_tensor_model_parallel_src_rank(),
                        group=parallel.tp_group())
-    if parallel.pp_size() > 1:
-        dist.broadcast(tokens, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
-    return tokens
+    return parallel.broadcast_from_last_stage(tokens)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], config: SamplingConfig, model_vocab: int,
@@ -151,8 +143,6 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     Collective over the tensor- and pipeline-parallel groups: every rank of a model replica calls
     it with the same prompts and config. Returns the same :class:`Rollouts` on all those ranks.
     """
-    from megatron.core.inference.contexts import StaticInferenceContext
-
     gpt = unwrap_model(model)
     device = next(gpt.parameters()).device
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
@@ -219,8 +209,6 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     finally:
         model.train(was_training)
         if not parallel.is_first_stage():
-            from megatron.core.utils import get_attr_wrapped_model
-
             get_attr_wrapped_model(model, "set_input_tensor")(None)
 
     response = (columns[None, :] >= width) & (columns[None, :] < width + response_lengths[:, None])
@@ -236,3 +224,21 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
         prompt_width=width,
         steps=steps,
     )
+
+
+class MegatronEngine:
+    """The embedded engine (``--rollout-engine megatron``): :func:`generate` on the trainer's own
+    model, at any TP/PP layout. It reads the live weights, so a sync moves nothing."""
+
+    name = "megatron"
+
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompts, sampling: SamplingConfig) -> Rollouts:
+        return generate(self.model, prompts, sampling)
+
+    def sync_weights(self, model) -> Dict[str, float]:
+        start = time.perf_counter()
+        self.model = model
+        return {"sync_bytes": 0.0, "sync_time_s": time.perf_counter() - start}

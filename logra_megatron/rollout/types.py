@@ -8,21 +8,21 @@ from typing import List, Optional
 import torch
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How completions are sampled. Validated on construction (:class:`UserError`)."""
+    """How completions are sampled. Validated on construction (:class:`UserError`). The fields
+    without a flag are filled by the caller from the tokenizer and the step."""
 
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax; top-k, top-p and seed are then unused)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the most probable tokens up to this total probability, in (0, 1];
-    1 keeps all."""
-    top_k: int = 0
-    """Keep only the k most probable tokens; 0 keeps all."""
-    max_new_tokens: int = 128
-    """Most tokens generated per sequence (EOS included)."""
+    temperature: float = option(1.0, help="softmax temperature of sampling; 0 means greedy (argmax; "
+                                "top-k, top-p and seed are then unused)")
+    top_p: float = option(1.0, help="nucleus sampling: keep the most probable tokens up to this total "
+                          "probability, in (0, 1]; 1 keeps all")
+    top_k: int = option(0, help="keep only the k most probable tokens; 0 keeps all")
+    max_new_tokens: int = option(6, help="most tokens generated per completion (EOS included); the "
+                                 "default fits the embedded arithmetic task")
     samples_per_prompt: int = 1
     """G: sampled completions per prompt; ``generate`` returns len(prompts) * G rows."""
     eos_id: Optional[int] = None
@@ -102,6 +102,10 @@ class Rollouts:
     """P: the longest prompt; completions start at this column."""
     steps: int
     """Tokens generated per row before the loop ended (<= max_new_tokens)."""
+    logprobs: Optional[torch.Tensor] = None
+    """[B, P + max_new_tokens] float32 or None: the engine's own log-prob of each sampled token
+    at its column (0 elsewhere), for engines that compute them (the trainer compares them with
+    its own); None when the engine does not."""
 
     @property
     def num_sequences(self) -> int:

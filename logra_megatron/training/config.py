@@ -1,51 +1,82 @@
-"""Configs of the training layer: the optimizer both kinds share, and the predicted-KL
-controller."""
+"""Configs of the training layer: what both optimizers share, the learning-rate schedule, and
+the predicted-KL controller. Each default is written once, here; the flags come from these
+fields (logra_megatron/schema.py)."""
 
 from dataclasses import dataclass
-
 from logra_megatron.errors import UserError
+from logra_megatron.schema import option
 
 OPTIMIZERS = ("adam", "logra")
+"""Names of the optimizer registry (training/optimizer.py) that ``--optimizer`` accepts."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+KL_MODES = ("off", "probe", "linear")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSettings:
-    """What both optimizers share."""
+    """What both optimizers share (Megatron's ``OptimizerConfig`` fields and flag names)."""
 
-    kind: str = "logra"
-    """"adam" (Megatron dense Adam, the baseline) or "logra"."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    distributed: bool = False
-    """ZeRO-1: Megatron's distributed optimizer for dense params, sliced sketch state."""
+    kind: str = option("logra", flag="--optimizer", choices=OPTIMIZERS,
+                       help="adam: Megatron's dense Adam (the baseline); logra: sketch-space Adam for "
+                            "the decoder's linear layers, Megatron's Adam for the rest")
+    lr: float = option(3e-4, help="peak learning rate of the RL phase")
+    weight_decay: float = option(0.0, help="decoupled weight decay")
+    adam_beta1: float = option(0.9, help="Adam's first-moment decay")
+    adam_beta2: float = option(0.999, help="Adam's second-moment decay")
+    adam_eps: float = option(1e-8, help="Adam's epsilon")
+    clip_grad: float = option(1.0, help="clip the global gradient norm to this (0 disables)")
+    distributed: bool = option(False, flag="--use-distributed-optimizer",
+                               help="ZeRO-1: shard optimizer state over data parallel (Megatron's "
+                                    "distributed optimizer; LoGRA reduce-scatters its sketches)")
 
     def __post_init__(self):
         if self.kind not in OPTIMIZERS:
             raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
         if self.lr < 0:
             raise UserError(f"--lr must be >= 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise UserError(f"--adam-eps must be > 0, got {self.adam_eps}")
+        if self.clip_grad < 0:
+            raise UserError(f"--clip-grad must be >= 0 (0 disables), got {self.clip_grad}")
 
 
-KL_MODES = ("off", "probe", "linear")
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """The RL phase's learning rate: linear warm-up from 0, then decay from ``--lr`` to
+    ``--min-lr`` over ``--train-iters`` (Megatron's ``OptimizerParamScheduler``)."""
+
+    min_lr: float = option(0.0, help="the lr decays from --lr to this over --train-iters")
+    lr_warmup_iters: int = option(0, help="linear lr warm-up steps at the start of RL")
+    lr_decay_style: str = option("cosine", choices=LR_DECAY_STYLES, help="shape of the decay")
+
+    def __post_init__(self):
+        if self.min_lr < 0:
+            raise UserError(f"--min-lr must be >= 0, got {self.min_lr}")
+        if self.lr_warmup_iters < 0:
+            raise UserError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise UserError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
+                            f"got {self.lr_decay_style!r}")
 
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    """Settings of the predicted-KL controller (flags ``--kl-*``)."""
+    """Settings of the predicted-KL controller (docs/ALGORITHM.md, "KL control")."""
 
-    mode: str = "probe"
-    """"off" (plain optimizer step), "probe" (forward at W + D) or "linear" (first-order)."""
-    target: float = 0.01
-    """kl_target: the largest forecast KL per response token a step may cause (nats)."""
-    probe_sequences: int = 2
-    """How many sequences of the current batch form the probe set."""
-    realized_interval: int = 1
-    """Measure the realized KL of the committed update every N steps (0 = never)."""
+    mode: str = option("probe", flag="--kl-control", choices=KL_MODES,
+                       help="off: plain optimizer step; probe: forward at W + D (exact forecast); "
+                            "linear: first-order forecast")
+    target: float = option(0.01, flag="--kl-target",
+                           help="largest forecast KL per response token a step may cause (nats)")
+    probe_sequences: int = option(8, flag="--kl-probe-sequences",
+                                  help="sequences of the batch (spread over its prompts) that form the probe set")
+    realized_interval: int = option(5, flag="--kl-realized-interval",
+                                    help="measure the realized KL of the committed update every N steps (0 = never)")
     linear_epsilon: float = 1e-3
     """Finite-difference step (a fraction of D) of the linear forecast."""
     max_refinements: int = 4

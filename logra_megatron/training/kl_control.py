@@ -1,6 +1,6 @@
 """Predicted-KL step control: forecast how far an update moves the policy, shrink it if too far.
 
-Around any Megatron-interface optimizer (LoGRA or dense Adam), one controlled step is:
+Around any training optimizer (LoGRA or dense Adam; training/optimizer.py), one controlled step is:
 
 1. ``p_old``: vocab-parallel logits of the probe set (the response tokens of a few sequences of
    the current batch) through the pipeline schedule, forward only.
@@ -38,8 +38,10 @@ from typing import List, Optional
 import torch
 
 from logra_megatron import parallel
-from logra_megatron.training.config import KLControlConfig
 from logra_megatron.ops.vocab_parallel import vocab_parallel_mean_half_variance, vocab_parallel_mean_kl
+from logra_megatron.training.config import KLControlConfig
+from logra_megatron.training.lm import forward_logits
+from logra_megatron.training.optimizer import TrainingOptimizer
 
 class PredictedKLController:
     """Wraps ``optimizer.step()`` with the forecast-and-scale procedure described above."""
@@ -70,8 +72,6 @@ class PredictedKLController:
     def probe_logits(self, model, probe_tokens: torch.Tensor, micro_batch_size: Optional[int] = None):
         if self.logits_fn is not None:
             return self.logits_fn(model)
-        from logra_megatron.training.lm import forward_logits
-
         return forward_logits(model, probe_tokens, micro_batch_size)
 
     def kl_between(self, old_logits, model, probe_tokens, probe_mask) -> float:
@@ -123,7 +123,7 @@ class PredictedKLController:
     # --- the controlled step --------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, model, optimizer, probe_tokens: torch.Tensor, probe_mask: torch.Tensor,
+    def step(self, model, optimizer: TrainingOptimizer, probe_tokens: torch.Tensor, probe_mask: torch.Tensor,
              logits_fn=None) -> dict:
         """One optimizer step under control. ``model`` is the (DDP) model the optimizer trains;
         ``probe_tokens`` ``[n, s]`` and ``probe_mask`` ``[n, s]`` (1 on response tokens whose
@@ -156,8 +156,7 @@ class PredictedKLController:
                 scale = self._refine(model, old_logits, params, before, direction, probe_tokens,
                                      probe_mask, scale, kl_pred)
             self.set_weights(params, before, direction, scale)
-            if hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()
+            optimizer.reload_model_params()
         kl_realized = None
         if measure_realized:
             kl_realized = self.kl_between(old_logits, model, probe_tokens, probe_mask)

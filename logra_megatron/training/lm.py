@@ -1,14 +1,21 @@
-"""Next-token language-modeling loss through Megatron's pipeline schedule.
+"""Forward passes through Megatron's pipeline schedule, at any TP/PP layout.
 
-One function runs forward (and backward) over a global batch split into microbatches with
-``get_forward_backward_func``, at any TP/PP layout, and returns the mean loss agreed on every
-rank. The smoke job, tests and the supervised warm-up use it.
+- :func:`lm_forward_backward`: the next-token language-modeling loss over a global batch split
+  into microbatches, forward and backward, agreed on every rank (the smoke job, tests and the
+  supervised warm-up).
+- :func:`forward_logits`: vocab-parallel logits, forward only (the KL controller's probes, and
+  the GRPO probe rows of left-padded rollouts).
+- :func:`padded_forward`: one model call on a left-padded batch (rollouts), shared with the
+  GRPO passes.
 """
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
-from logra_megatron.models import causal_attention_mask, position_ids_for
+from logra_megatron.models.build import causal_attention_mask, position_ids_for
+from logra_megatron.models.positions import padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
 
 
@@ -30,8 +37,6 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     gradients (mean over microbatches) are accumulated into the model. Returns the loss on every
     rank (computed on the last stage, broadcast over the pipeline, averaged over DP).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     batch, length = tokens.shape
     if batch % micro_batch_size != 0:
         raise ValueError(f"batch {batch} is not a multiple of micro batch size {micro_batch_size}")
@@ -52,8 +57,6 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
         if vocab_size is None:
             output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
             return output, lambda out: _lm_loss(mb_mask, out)
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
         logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
         if not parallel.is_last_stage():
             return logits, lambda out: _lm_loss(mb_mask, out)  # only the last stage calls it
@@ -75,25 +78,46 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     return parallel.agree_on_scalar(mean)
 
 
-@torch.no_grad()
-def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None):
-    """Vocab-parallel logits ``[batch, seq, V/tp]`` of ``tokens`` through the pipeline schedule
-    (forward only) on the last stage; ``None`` on other stages."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def padded_forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   vocab_size: int = None) -> torch.Tensor:
+    """This stage's output for a left-padded batch: every row attends only to its own real
+    tokens (``attention_mask`` [B, S] bool, True at real tokens) at its own rotary positions
+    (``position_ids``, 0 at the first real token), so it computes what its sequence alone
+    would. On the last stage: vocab-parallel logits, the vocabulary padding masked when
+    ``vocab_size`` is given."""
+    with rope_positions(model, position_ids):
+        output = model(tokens, position_ids, padded_causal_mask(attention_mask))
+    return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
 
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, attention_mask: torch.Tensor = None,
+                   position_ids: torch.Tensor = None, vocab_size: int = None):
+    """Vocab-parallel logits ``[batch, seq, V/tp]`` of ``tokens`` through the pipeline schedule
+    (forward only) on the last stage; ``None`` on other stages.
+
+    Plain causal rows by default; with ``attention_mask`` and ``position_ids`` (left-padded rows,
+    as :class:`~logra_megatron.rollout.types.Rollouts` holds them) each row goes through
+    :func:`padded_forward`. With ``vocab_size`` the vocabulary padding is masked.
+    """
     batch, length = tokens.shape
-    micro_batch_size = micro_batch_size or batch
-    mask = causal_attention_mask(length)
-    microbatches = [tokens[i : i + micro_batch_size] for i in range(0, batch, micro_batch_size)]
+    micro_batch_size = min(micro_batch_size or batch, batch)
+    causal = causal_attention_mask(length) if attention_mask is None else None
+    parts = [slice(i, i + micro_batch_size) for i in range(0, batch, micro_batch_size)]
 
     def forward_step(data_iterator, model):
-        inputs = next(data_iterator)
-        output = model(inputs, position_ids_for(inputs), mask)
+        part = next(data_iterator)
+        if causal is not None:
+            inputs = tokens[part]
+            output = model(inputs, position_ids_for(inputs), causal)
+            output = mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
+        else:
+            output = padded_forward(model, tokens[part], attention_mask[part], position_ids[part], vocab_size)
         return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
 
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-        num_microbatches=len(microbatches), seq_length=length, micro_batch_size=micro_batch_size,
+        forward_step_func=forward_step, data_iterator=iter(parts), model=[model],
+        num_microbatches=len(parts), seq_length=length, micro_batch_size=micro_batch_size,
         forward_only=True)
     if not parallel.is_last_stage():
         return None

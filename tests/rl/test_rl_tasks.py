@@ -25,7 +25,7 @@ def test_records_are_short_correct_and_non_negative():
 
 
 def test_training_prompts_never_touch_the_held_out_split():
-    tasks = ArithmeticTasks(ArithmeticTaskConfig(held_out_fraction=0.2))
+    tasks = ArithmeticTasks(ArithmeticTaskConfig(max_operand=99, held_out_fraction=0.2))
     held_out = {r["prompt"] for r in tasks.held_out(500)}
     assert len(held_out) == 500 and all(tasks.is_held_out(p) for p in held_out)
     seen = {r["prompt"] for step in range(40) for r in tasks.train_prompts(64, step)}

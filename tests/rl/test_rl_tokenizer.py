@@ -7,7 +7,7 @@ import pytest
 
 from logra_megatron import tokenizer as tokenizer_module
 from logra_megatron.errors import UserError
-from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
+from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks, tokenizer_corpus
 from logra_megatron.tokenizer import (
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
@@ -141,7 +141,7 @@ def test_factory_errors(tmp_path, sentencepiece_model):
 # --- the embedded default ----------------------------------------------------------------------
 
 def test_default_tokenizer_fits_tiny_and_splits_digits(tmp_path):
-    tok = default_task_tokenizer(tmp_path)
+    tok = default_task_tokenizer(tmp_path, tokenizer_corpus())
     assert tok.vocab_size <= 256
     assert len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
     for digit in "0123456789":
@@ -157,7 +157,7 @@ def test_default_tokenizer_fits_tiny_and_splits_digits(tmp_path):
 
 
 def test_default_tokenizer_is_cached_by_settings(tmp_path, monkeypatch):
-    first = default_task_tokenizer(tmp_path)
+    first = default_task_tokenizer(tmp_path, tokenizer_corpus())
     files = sorted(tmp_path.glob("*.model"))
     assert len(files) == 1 and not list(tmp_path.glob(".*tmp"))
     modified = files[0].stat().st_mtime_ns
@@ -166,14 +166,15 @@ def test_default_tokenizer_is_cached_by_settings(tmp_path, monkeypatch):
         raise AssertionError("the cached model should have been reused")
 
     monkeypatch.setattr(tokenizer_module, "_train_default_model", no_training)
-    again = default_task_tokenizer(tmp_path)
+    again = default_task_tokenizer(tmp_path, tokenizer_corpus())
     assert files[0].stat().st_mtime_ns == modified
     assert again.encode("98-76=22") == first.encode("98-76=22")
 
     # Other training settings: another cache entry (training is needed, and was stubbed out).
+    other_text = ArithmeticTasks(ArithmeticTaskConfig(operations=("*",))).text_samples(200)
     with pytest.raises(AssertionError, match="reused"):
-        default_task_tokenizer(tmp_path, ArithmeticTaskConfig(operations=("*",)))
+        default_task_tokenizer(tmp_path, other_text)
     monkeypatch.undo()
-    other = default_task_tokenizer(tmp_path, ArithmeticTaskConfig(operations=("*",)))
+    other = default_task_tokenizer(tmp_path, other_text)
     assert len(list(tmp_path.glob("*.model"))) == 2
     assert other.decode(other.encode("9*9=81")) == "9*9=81"

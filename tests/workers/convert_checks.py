@@ -22,7 +22,7 @@ from logra_megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: 
 from logra_megatron.convert.hf import MegatronView, megatron_to_hf, model_config_from_hf  # noqa: E402
 from logra_megatron.convert.hf_io import HFWeights, read_hf_config  # noqa: E402
 from logra_megatron.convert.reference import load_hf_model  # noqa: E402
-from logra_megatron.convert.runtime import build_model, forward_logits  # noqa: E402
+from logra_megatron.convert.runtime import build_model, full_vocab_logits  # noqa: E402
 from logra_megatron.models.weights import full_state, load_full_state  # noqa: E402
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
@@ -42,7 +42,7 @@ class Fixture:
                               for name, path in models.items()}
 
     def logits_error(self, model, name) -> dict:
-        logits = forward_logits(model, self.tokens, self.configs[name].vocab)
+        logits = full_vocab_logits(model, self.tokens, self.configs[name].vocab)
         if logits is None:
             return {"last_stage": False}
         return {"last_stage": True,

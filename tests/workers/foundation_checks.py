@@ -3,14 +3,13 @@ weights (loss and full-shape gradients, through Megatron's pipeline schedule wit
 microbatches), and a dist checkpoint saved at TP=2 loaded at TP=1, PP=2 and TP=2xPP=2."""
 
 import torch
-import torch.distributed as dist
 from common import Checks
 
 from logra_megatron import parallel
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
 from logra_megatron.models import build_gpt_model, get_preset
 from logra_megatron.models.weights import full_state, load_full_state
-from logra_megatron.training.lm import forward_logits as lm_forward_logits
+from logra_megatron.convert.runtime import full_vocab_logits
 from logra_megatron.training.lm import lm_forward_backward
 
 
@@ -23,12 +22,7 @@ def main():
 
     def forward_logits(model, inputs):
         """Full-vocabulary logits [b, s, V] on the last stage (None elsewhere)."""
-        local = lm_forward_logits(model, inputs)
-        if local is None:
-            return None
-        pieces = [torch.empty_like(local) for _ in range(parallel.tp_size())]
-        dist.all_gather(pieces, local.contiguous(), group=parallel.tp_group())
-        return torch.cat(pieces, dim=-1)[..., : MODEL.vocab]
+        return full_vocab_logits(model, inputs, MODEL.vocab)
 
     def rel_err(a, b):
         return float((a - b).norm() / b.norm().clamp(min=1e-30))

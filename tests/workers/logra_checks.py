@@ -12,7 +12,7 @@ from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state, gather_full, load_full_state
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.config import OptimizerSettings
-from logra_megatron.training.setup import build_trainable, train_step
+from logra_megatron.training.setup import build_trainable
 
 MODEL = get_preset("tiny")
 STEPS = 3
@@ -124,7 +124,7 @@ def main():
         model, ddp, optimizer = build_trainable(MODEL, settings(), LOGRA)
         extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)}
         loaded = load_checkpoint(ckpt, model, extra_sharded=extra)
-        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"])
         resumed_step = optimizer.step_count
         ddp.zero_grad_buffer()
         optimizer.zero_grad()

@@ -13,6 +13,7 @@ from common import Checks
 from logra_megatron import parallel
 from logra_megatron.models import build_gpt_model, causal_attention_mask, get_preset, position_ids_for
 from logra_megatron.models.weights import full_state, load_full_state
+from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.rollout.megatron_engine import generate
 from logra_megatron.rollout.types import SamplingConfig
 
@@ -65,7 +66,9 @@ def layout_checks(checks, tag, model, store):
     model.eval()
     reference = checks.run(f"{tag}/reference", lambda: [reference_greedy(model, p, NEW) for p in PROMPTS])
     store[tag] = reference
-    checks.run(f"{tag}/greedy_batch", lambda: generate(model, PROMPTS, GREEDY).completions())
+    # Through the rollout-engine interface, as the trainer samples (--rollout-engine megatron).
+    engine = build_rollout_engine("megatron", model)
+    checks.run(f"{tag}/greedy_batch", lambda: engine.generate(PROMPTS, GREEDY).completions())
     checks.run(f"{tag}/greedy_alone", lambda: [generate(model, [p], GREEDY).completions()[0] for p in PROMPTS])
     checks.run(f"{tag}/sampled", lambda: generate(model, PROMPTS, SAMPLED).completions())
     checks.run(f"{tag}/sampled_again", lambda: generate(model, PROMPTS, SAMPLED).completions())

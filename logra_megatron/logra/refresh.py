@@ -1,0 +1,88 @@
+"""The refresh policy: when projections change, and how (docs/ALGORITHM.md, "Refresh").
+
+Every ``refresh_interval`` optimizer steps (step 0 included) the step's backward also runs a
+randomized range finder: :meth:`RangeFinderRefresh.arm` gives each sketch this rank's rows of a
+seeded Gaussian test matrix ``Omega`` before the backward, the samples are summed over TP and
+DP after it, and :meth:`RangeFinderRefresh.refresh` replaces each projection by the top singular
+vectors of its sample, after the step's update. The update rule's state is carried into the new
+bases by the rule itself (:meth:`~logra_megatron.logra.update_rules.UpdateRule.rotate`). With
+the identity projection nothing is ever refreshed.
+"""
+
+import torch
+import torch.distributed as dist
+
+from logra_megatron import parallel
+from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.logra.projection import range_finder_basis
+from logra_megatron.logra.sketch import RIGHT
+from logra_megatron.logra.sketch_buffer import SketchBuffer, SketchedWeight
+from logra_megatron.models.weights import shard_of
+from logra_megatron.seeding import name_seed, seeded_gaussian
+
+
+class RangeFinderRefresh:
+    """Range-finder refreshes of every projection of a :class:`SketchBuffer`."""
+
+    def __init__(self, logra_config: LogRAConfig, buffer: SketchBuffer):
+        self.logra = logra_config
+        self.buffer = buffer
+        self.refreshes_done = 0  # also seeds the next test matrices
+
+    def is_refresh_step(self, step_count: int) -> bool:
+        return not self.logra.identity_projection and step_count % self.logra.refresh_interval == 0
+
+    def arm(self, step_count: int) -> None:
+        """Before a step's backward: on a refresh step give every sketch its test matrix and a
+        zeroed range sample, otherwise clear both."""
+        refresh = self.is_refresh_step(step_count)
+        for entry in self.buffer.weights:
+            sketch = entry.sketch
+            if refresh:
+                sketch.test_matrix = self._test_matrix(entry)
+                rows = sketch.in_features if sketch.side == RIGHT else sketch.out_features
+                sketch.range_sample = torch.zeros(rows, sketch.test_matrix.shape[1])
+            else:
+                sketch.test_matrix = sketch.range_sample = None
+
+    def _test_matrix(self, entry: SketchedWeight) -> torch.Tensor:
+        """This rank's rows of the seeded Gaussian test matrix Omega (full rows: the weight's
+        non-projected dimension at TP=1, sharded exactly like the weight)."""
+        sketch = entry.sketch
+        columns = min(sketch.rank + self.logra.oversampling,
+                      sketch.in_features if sketch.side == RIGHT else sketch.out_features)
+        seed = name_seed(self.logra.seed, entry.name, 1 + self.refreshes_done)
+        weight = entry.weight
+        if sketch.side == RIGHT:  # Omega spans the (TP-split) output rows
+            full_rows = sketch.out_features * (parallel.tp_size() if weight.tensor_model_parallel else 1)
+            return shard_of(seeded_gaussian(full_rows, columns, seed), weight, entry.name).contiguous()
+        full_rows = sketch.in_features * (parallel.tp_size() if weight.tensor_model_parallel else 1)
+        return shard_of(seeded_gaussian(full_rows, columns, seed).t(), weight, entry.name).t().contiguous()
+
+    def reduce_samples(self) -> None:
+        """After the backward of a refresh step: sum each range sample over TP (each rank saw
+        its shard of the weight) and DP (each replica its share of the batch)."""
+        for entry in self.buffer.weights:
+            sample = entry.sketch.range_sample
+            if parallel.tp_size() > 1:
+                dist.all_reduce(sample, group=parallel.tp_group())
+            if self.buffer.dp > 1:
+                dist.all_reduce(sample, group=parallel.dp_group())
+
+    def refresh(self, rule) -> None:
+        """New bases from the reduced range samples; ``rule``'s state follows them."""
+        live = rule.state()
+        full = {name: self.buffer.full(tensor) for name, tensor in live.items()}
+        full = {name: tensor.clone() if tensor is live[name] else tensor for name, tensor in full.items()}
+        for entry in self.buffer.weights:
+            sketch = entry.sketch
+            old = sketch.projection
+            new = range_finder_basis(sketch.range_sample, sketch.rank)
+            change = new.t() @ old  # r x r: coordinates of the old basis in the new one
+            rule.rotate({name: entry.view(tensor) for name, tensor in full.items()}, change, sketch.side)
+            sketch.projection = new
+            sketch.test_matrix = sketch.range_sample = None
+        rule.after_refresh(full)
+        for name, tensor in live.items():
+            tensor.copy_(self.buffer.local_slice(full[name]))
+        self.refreshes_done += 1

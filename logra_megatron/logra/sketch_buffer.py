@@ -1,0 +1,165 @@
+"""The flat sketch buffer: every sketched weight's gradient sketch as a view into one fp32 buffer.
+
+It owns what is per weight and what is communicated:
+
+- the bookkeeping of each sketched weight (:class:`SketchedWeight`: its module, its
+  :class:`~logra_megatron.logra.sketch.LinearSketch` with the initial projection, its offset in
+  the flat buffer);
+- the data-parallel reduction of the sketches: a mean by all-reduce, or in ZeRO-1 mode a
+  reduce-scatter so each DP rank keeps one slice (docs/ALGORITHM.md, "DP reduction and ZeRO-1");
+  and the layout of per-element optimizer state between this rank's slice and the full buffer;
+- the sketch part of the global gradient norm (docs/ALGORITHM.md, "Exactness across TP": sketch
+  shards are never TP-replicated, so their squares are summed over the model-parallel group).
+"""
+
+import math
+from typing import List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from logra_megatron import parallel
+from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.logra.layers import sketched_modules
+from logra_megatron.logra.projection import random_orthonormal
+from logra_megatron.logra.sketch import RIGHT, LinearSketch
+from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
+from logra_megatron.seeding import name_seed
+
+
+class SketchedWeight:
+    """Bookkeeping for one sketched weight: its module, sketch, and views into flat buffers."""
+
+    def __init__(self, name: str, local_name: str, module, sketch: LinearSketch, offset: int):
+        self.name = name  # global, e.g. decoder.layers.3.mlp.linear_fc1.weight
+        self.local_name = local_name
+        self.module = module
+        self.sketch = sketch
+        self.offset = offset  # into the flat sketch buffer
+        self.numel = sketch.sketch.numel()
+        self.shape = tuple(sketch.sketch.shape)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.module.weight
+
+    @property
+    def is_swiglu_fc1(self) -> bool:
+        return is_swiglu_fc1(self.name)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This weight's part of a full-length flat buffer (the sketch buffer, or optimizer state
+        laid out like it), shaped like its sketch."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+class SketchBuffer:
+    """All sketches of one model chunk in one flat fp32 buffer, attached to its sketching linears.
+
+    In ZeRO-1 mode (``logra_config.zero1``) the buffer is padded to a multiple of the DP size and
+    each DP rank owns ``slice_numel`` elements of it; otherwise a "slice" is the whole buffer.
+    """
+
+    def __init__(self, model, logra_config: LogRAConfig):
+        self.logra = logra_config
+        self.zero1 = logra_config.zero1
+        self.dp = parallel.dp_size()
+        offset_layers = layer_offset(model)
+        entries = []
+        total = 0
+        for local_name, module in sketched_modules(model):
+            name = global_name(local_name, offset_layers) + ".weight"
+            out_features, in_features = module.weight.shape
+            side = module.sketch_side
+            projected = in_features if side == RIGHT else out_features
+            rank = logra_config.rank_for(projected, name)
+            entries.append((name, local_name, module, side, out_features, in_features, projected, rank, total))
+            total += math.prod(LinearSketch.sketch_shape(side, out_features, in_features, rank))
+        if not entries:
+            raise ValueError("the model has no sketching linears: build it with logra_layer_spec()")
+        padded = -(-total // self.dp) * self.dp if self.zero1 else total
+        self.flat = torch.zeros(padded, dtype=torch.float32)
+        self.weights: List[SketchedWeight] = []
+        for name, local_name, module, side, out_f, in_f, projected, rank, offset in entries:
+            if logra_config.identity_projection:
+                if rank != projected:
+                    raise ValueError(f"identity projection needs full rank ({projected}) for {name}")
+                projection = torch.eye(projected)
+            else:
+                projection = random_orthonormal(projected, rank, name_seed(logra_config.seed, name))
+            shape = LinearSketch.sketch_shape(side, out_f, in_f, rank)
+            view = self.flat[offset : offset + math.prod(shape)].view(shape)
+            sketch = LinearSketch(name, side, out_f, in_f, projection, view)
+            module.logra_sketch = sketch
+            self.weights.append(SketchedWeight(name, local_name, module, sketch, offset))
+        self.slice_numel = padded // self.dp if self.zero1 else padded
+
+    @property
+    def numel(self) -> int:
+        """Length of the full (padded) flat buffer."""
+        return self.flat.numel()
+
+    @property
+    def sliced(self) -> bool:
+        """True when this rank holds only a slice of per-element state (ZeRO-1 over DP > 1)."""
+        return self.zero1 and self.dp > 1
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+    # --- data-parallel reduction -------------------------------------------------------------
+
+    def reduce(self) -> torch.Tensor:
+        """Mean of the sketches over data-parallel replicas; returns the gradient this rank
+        updates from (the whole flat buffer, or its ZeRO-1 slice)."""
+        if self.dp == 1:
+            return self.flat if not self.zero1 else self.flat.clone()
+        if self.zero1:
+            shard = torch.empty(self.flat.numel() // self.dp)
+            dist.reduce_scatter_tensor(shard, self.flat, group=parallel.dp_group())
+            return shard.div_(self.dp)
+        dist.all_reduce(self.flat, group=parallel.dp_group())
+        return self.flat.div_(self.dp)
+
+    def squared_norm(self, grads: torch.Tensor) -> float:
+        """Squared norm of the whole model's reduced sketch gradient, from this rank's
+        ``grads`` (what :meth:`reduce` returned): summed over the model-parallel group, and
+        over DP slices in ZeRO-1 mode."""
+        sketch_sq = torch.tensor([float(grads.double().pow(2).sum())], dtype=torch.float64)
+        dist.all_reduce(sketch_sq, group=parallel_state.get_model_parallel_group())
+        if self.sliced:
+            dist.all_reduce(sketch_sq, group=parallel.dp_group())
+        return float(sketch_sq)
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """A full-length flat tensor from this rank's slice (all-gathered over DP in ZeRO-1
+        mode; otherwise ``local`` itself, not a copy)."""
+        if not self.sliced:
+            return local
+        gathered = torch.empty(self.flat.numel())
+        dist.all_gather_into_tensor(gathered, local, group=parallel.dp_group())
+        return gathered
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-length flat tensor (a view; ``full`` itself when not
+        sliced)."""
+        if not self.sliced:
+            return full
+        start = parallel.dp_rank() * self.slice_numel
+        return full[start : start + self.slice_numel]
+
+    # --- inspection ------------------------------------------------------------------------------
+
+    def sketches(self) -> dict:
+        """This rank's current sketches by global weight name (views, not copies)."""
+        return {entry.name: entry.sketch.sketch for entry in self.weights}
+
+    def projections(self) -> dict:
+        return {entry.name: entry.sketch.projection for entry in self.weights}
+
+    def grad_bytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def projection_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.projections().values())

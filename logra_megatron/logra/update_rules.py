@@ -1,0 +1,68 @@
+"""Update rules of the sketch space: what turns the reduced sketch gradient into the low-rank
+update, and the registry of them by name.
+
+A rule sees flat tensors laid out like :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer`
+(each sketched weight's elements at the same offsets), restricted to this rank's slice in ZeRO-1
+mode. :class:`~logra_megatron.logra.optimizer.LogRAOptimizer` does everything around it: the DP
+reduction, the gradient norm and clipping, gathering the update over DP, mapping it back through
+the projections and applying ``lr`` and decoupled weight decay to the weights, refreshing the
+projections, and checkpointing the rule's state (docs/ALGORITHM.md, "Sketch-space Adam").
+
+Adding a rule is one new file with a class implementing :class:`UpdateRule` and one line in
+:data:`UPDATE_RULES`; ``LogRAOptimizer(..., update_rule=name)`` selects it.
+"""
+
+from typing import Dict, Protocol, Tuple
+
+import torch
+
+from logra_megatron.logra.update_adamw import SketchAdamW
+
+
+class UpdateRule(Protocol):
+    """The interface of a sketch-space update rule.
+
+    Constructed as ``Rule(numel, optimizer_config, logra_config)``: ``numel`` is the length of
+    this rank's slice (the whole flat buffer unless ZeRO-1), ``optimizer_config`` Megatron's
+    ``OptimizerConfig`` (betas, eps, ...), ``logra_config`` the
+    :class:`~logra_megatron.logra.config.LogRAConfig` (moment policy at a refresh, ...).
+    """
+
+    state_names: Tuple[str, ...]
+    """Names of the rule's per-element state tensors (each ``numel`` long). They are the
+    checkpoint keys, per sketched weight: ``logra.<weight name>.<state name>``."""
+
+    def update(self, grad: torch.Tensor, lr: float, weight_decay: float, step: int) -> torch.Tensor:
+        """Advance the state with ``grad`` (this rank's slice of the DP-mean, clipped sketch
+        gradient) and return the low-rank update ``U`` for the same slice. ``step`` counts
+        optimizer steps from 1 (this one included; it restarts after ``reset``). The optimizer
+        then applies ``W <- (1 - lr * weight_decay) W - lr * P U`` (left sketch) or
+        ``... - lr * U Q^T`` (right); ``lr`` and ``weight_decay`` (the sketch group's current
+        values) are passed for rules whose direction depends on them."""
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        """The live state slices by ``state_names`` (saved, gathered and restored in place)."""
+
+    def rotate(self, state: Dict[str, torch.Tensor], change: torch.Tensor, side: str) -> None:
+        """At a refresh, carry one weight's state into its new basis, in place. ``state`` holds
+        that weight's full (not sliced) views, shaped like its sketch (``r x n`` for a left
+        sketch, ``m x r`` for a right one); ``change = Q_new^T Q_old`` (``r x r``)."""
+
+    def after_refresh(self, state: Dict[str, torch.Tensor]) -> None:
+        """After every weight was rotated: whole-buffer work (e.g. dropping a moment).
+        ``state`` holds the full flat tensors."""
+
+    def reset(self) -> None:
+        """Forget all history (zero the state, restart internal counters)."""
+
+    def counters(self) -> Dict[str, int]:
+        """Scalar state to checkpoint (names distinct from ``step_count`` and
+        ``refreshes_done``)."""
+
+    def load_counters(self, counters: Dict[str, int]) -> None:
+        """Restore from a dict holding (at least) the names :meth:`counters` returns."""
+
+
+UPDATE_RULES: Dict[str, type] = {
+    "adam": SketchAdamW,
+}

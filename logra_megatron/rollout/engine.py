@@ -1,0 +1,50 @@
+"""The rollout-engine interface and the registry of engines by their ``--rollout-engine`` name.
+
+An engine samples completions from the current policy (:meth:`RolloutEngine.generate`) and is
+told when the trainer's weights changed (:meth:`RolloutEngine.sync_weights`). The trainer uses
+nothing else of it, so an engine that runs its own copy of the weights (vLLM) and one that runs
+the trainer's own model (the embedded Megatron KV-cache generator) are interchangeable.
+
+Every rank of a model replica calls both methods with the same arguments (collective over the
+replica's tensor- and pipeline-parallel groups); data-parallel replicas call them independently.
+"""
+
+import importlib
+from typing import Dict, Protocol, Sequence, runtime_checkable
+
+from logra_megatron.errors import UserError
+from logra_megatron.rollout.types import Rollouts, SamplingConfig
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer asks of a rollout engine."""
+
+    name: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollouts:
+        """``sampling.samples_per_prompt`` completions of every prompt (lists of token ids), as
+        one left-padded :class:`Rollouts` batch, identical on every rank of the replica.
+        ``Rollouts.logprobs`` holds the engine's own log-probs of the sampled tokens where the
+        engine computes them (None otherwise)."""
+
+    def sync_weights(self, model) -> Dict[str, float]:
+        """Make the engine sample from ``model``'s current weights (this rank's Megatron stage,
+        DDP-wrapped or not). Returns what the sync measured: ``sync_bytes`` (bytes the engine
+        was sent) and ``sync_time_s``."""
+
+
+ROLLOUT_ENGINES: Dict[str, str] = {
+    "megatron": "logra_megatron.rollout.megatron_engine:MegatronEngine",
+}
+"""``--rollout-engine`` name -> ``"module:Class"``; ``Class(model)`` is an engine that samples
+from ``model``. Named by path, not imported here: the config schema reads the names, and only
+the chosen engine's module (and its dependencies, vLLM for instance) is ever imported."""
+
+
+def build_rollout_engine(name: str, model) -> RolloutEngine:
+    """The engine ``name`` names, sampling from ``model`` (this rank's stage of the policy)."""
+    if name not in ROLLOUT_ENGINES:
+        raise UserError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ROLLOUT_ENGINES)}")
+    module, cls = ROLLOUT_ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)(model)

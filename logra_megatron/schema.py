@@ -1,0 +1,140 @@
+"""Config dataclasses as the one source of flags, YAML keys, defaults and help.
+
+A component config is a frozen dataclass whose user-facing fields are declared with
+:func:`option`: the default, the help text and (when it differs from the field name) the
+Megatron-style flag are written there once. :func:`add_arguments` derives the argparse flags of
+a dataclass from those fields, :func:`values_for` collects what the command line (or a YAML
+file) set, and the dataclass itself applies its defaults and validates in ``__post_init__``.
+So ``Config()`` built in Python and ``Config`` parsed from an empty command line are the same.
+
+Fields declared without :func:`option` are not flags: they are filled by the code that builds
+the config (a tokenizer's ids, a seed derived from ``--seed``).
+
+Only the standard library is used here: this module sits at the bottom of the package.
+"""
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Callable, Dict, Optional, Sequence
+
+_KEY = "logra_option"
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: Optional[str] = None,
+           choices: Optional[Sequence] = None, parse: Optional[Callable[[str], Any]] = None,
+           negative: bool = False, default_factory: Any = dataclasses.MISSING):
+    """A dataclass field that is also a command-line flag and a YAML key.
+
+    ``flag`` defaults to ``--<field-name-with-dashes>``. ``parse`` turns the flag's text into a
+    value (default: from the field's type). A bool field is a switch: ``--flag`` sets True, or
+    with ``negative=True`` (for a field that defaults to True) the flag sets it False, as
+    ``--no-progress`` does.
+    """
+    metadata = {_KEY: {"help": help, "flag": flag, "choices": tuple(choices) if choices else None,
+                       "parse": parse, "negative": negative}}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def options_of(config_class) -> list:
+    """``(field, spec)`` for every :func:`option` field of a dataclass, in declaration order."""
+    return [(item, item.metadata[_KEY]) for item in dataclasses.fields(config_class) if _KEY in item.metadata]
+
+
+def flag_of(item: dataclasses.Field) -> str:
+    return item.metadata[_KEY]["flag"] or "--" + item.name.replace("_", "-")
+
+
+def _default_of(item: dataclasses.Field):
+    if item.default is not dataclasses.MISSING:
+        return item.default
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return None
+
+
+def _base_type(annotation):
+    """``Optional[int]`` -> int; other unions are left as they are."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def parser_of(item: dataclasses.Field) -> Callable[[str], Any]:
+    spec = item.metadata[_KEY]
+    if spec["parse"] is not None:
+        return spec["parse"]
+    kind = _base_type(item.type)
+    if kind in (int, float, str):
+        return kind
+    raise TypeError(f"option {item.name} of type {item.type} needs parse=")
+
+
+def _dest(section: str, item: dataclasses.Field) -> str:
+    return f"{section}.{item.name}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, section: str, config_class, title: str,
+                  description: Optional[str] = None) -> None:
+    """Add one argument group: a flag per :func:`option` field of ``config_class``. Defaults are
+    not stored in argparse (``SUPPRESS``), so only what the user gave reaches
+    :func:`values_for`; help shows the dataclass default."""
+    group = parser.add_argument_group(title, description)
+    for item, spec in options_of(config_class):
+        default = _default_of(item)
+        common = dict(dest=_dest(section, item), default=argparse.SUPPRESS)
+        if _base_type(item.type) is bool:
+            action = "store_false" if spec["negative"] else "store_true"
+            group.add_argument(flag_of(item), action=action, help=spec["help"], **common)
+            continue
+        shown = "" if default in (None, "") else f" (default: {default})"
+        group.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"],
+                           help=spec["help"] + shown, metavar=_metavar(item, spec), **common)
+
+
+def _metavar(item, spec):
+    if spec["choices"]:
+        return "{" + ",".join(map(str, spec["choices"])) + "}"
+    return item.name.upper()
+
+
+def values_for(namespace: argparse.Namespace, section: str, config_class) -> Dict[str, Any]:
+    """The fields of ``config_class`` that ``namespace`` sets, as constructor keyword args."""
+    given = vars(namespace)
+    return {item.name: given[_dest(section, item)] for item, _ in options_of(config_class)
+            if _dest(section, item) in given}
+
+
+def yaml_value(item: dataclasses.Field, value: Any) -> Any:
+    """A YAML value for an option field, converted as its flag would be. Raises ValueError
+    with a short reason for a value of the wrong kind."""
+    spec = item.metadata[_KEY]
+    kind = _base_type(item.type)
+    if value is None:
+        if _default_of(item) is None:
+            return None
+        raise ValueError("must not be empty")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError("must be true or false")
+        return (not value) if spec["negative"] else value
+    if isinstance(value, bool):
+        raise ValueError("must not be a boolean")
+    if spec["parse"] is not None:
+        result = spec["parse"](value if not isinstance(value, str) else value)
+    elif kind is float and isinstance(value, (int, float)):
+        result = float(value)
+    elif kind is int and isinstance(value, int):
+        result = value
+    elif kind is str and isinstance(value, (str, int, float)):
+        result = str(value)
+    elif isinstance(value, str):
+        result = parser_of(item)(value)
+    else:
+        raise ValueError(f"must be of type {getattr(kind, '__name__', kind)}")
+    if spec["choices"] and result not in spec["choices"]:
+        raise ValueError(f"must be one of {', '.join(map(str, spec['choices']))}")
+    return result
