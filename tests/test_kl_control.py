@@ -1,6 +1,7 @@
 """Predicted-KL step control in one process: it holds the realized KL near the target where the
-uncontrolled step overshoots, the forecast scales quadratically for small steps, the linear
-forecast agrees with the probe for small steps, and the probe restores weights bitwise."""
+uncontrolled step overshoots (also out of sample), the forecast scales quadratically for small
+steps, the linear forecast agrees with the probe for small steps, forecasting never touches the
+weights, and --kl-max-scale lets a small step grow."""
 
 import pytest
 import torch
@@ -8,31 +9,31 @@ import torch
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.logra import LogRAConfig
-from logra_megatron.training.config import KLControlConfig
-from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.models import get_preset
+from logra_megatron.training.config import KLControlConfig, OptimizerSettings
+from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.config import OptimizerSettings
 from logra_megatron.training.setup import build_trainable
 
 MODEL = get_preset("tiny")
 TOKENS = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manual_seed(0))
-PROBE, MASK = TOKENS[:2], torch.ones(2, 33)
+PROBE = ProbeSet(TOKENS[:2], torch.ones(2, 33), micro_batch_size=2)
+HELD_OUT = ProbeSet(TOKENS[2:4], torch.ones(2, 33), micro_batch_size=2)  # rows the probe never sees
 TARGET = 0.02
 
 
-def controlled_run(mode, lr=5e-2, steps=5, kind="logra"):
+def controlled_run(mode, lr=5e-2, steps=5, kind="logra", held_out=None, **settings):
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind=kind, lr=lr),
                                         LogRAConfig(rank=16, refresh_interval=5))
     # The realized KL of every step (the flag's default measures it every few steps).
-    controller = PredictedKLController(KLControlConfig(mode=mode, target=TARGET, realized_interval=1))
+    controller = PredictedKLController(KLControlConfig(mode=mode, target=TARGET, realized_interval=1, **settings))
     history = []
     for _ in range(steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         lm_forward_backward(ddp, TOKENS, 4)
-        history.append(controller.step(ddp, optimizer, PROBE, MASK))
+        history.append(controller.step(ddp, optimizer, PROBE, held_out))
     return history
 
 
@@ -47,9 +48,28 @@ def test_probe_control_holds_the_realized_kl_where_uncontrolled_overshoots(kind)
     assert min(m["step_scale"] for m in controlled) < 0.5
 
 
+@pytest.mark.parametrize("kind", ["logra", "adam"])
+def test_forecast_is_calibrated_out_of_sample(kind):
+    """On rows the probe did not see, the KL of the committed (scaled-down) step is within 2x of
+    the target: the forecast generalizes beyond the rows it was fitted on."""
+    controlled = controlled_run("probe", kind=kind, held_out=HELD_OUT)
+    bound = [m for m in controlled if m["step_scale"] < 1.0]
+    assert len(bound) >= 3, controlled
+    for metrics in bound:
+        assert TARGET / 2 <= metrics["kl_realized"] <= 2 * TARGET, controlled
+
+
+def test_max_scale_lets_a_small_step_grow():
+    grown = controlled_run("probe", lr=1e-4, steps=2, max_scale=3.0)
+    assert all(1.0 < m["step_scale"] <= 3.0 for m in grown), grown
+    assert all(m["kl_realized"] <= 1.2 * TARGET for m in grown), grown
+    capped = controlled_run("probe", lr=1e-4, steps=2)
+    assert all(m["step_scale"] == 1.0 for m in capped), capped
+
+
 @pytest.fixture(scope="module")
 def proposed_update():
-    """A small proposed update D (low learning rate) and everything needed to forecast it."""
+    """A small proposed update D (low learning rate), previewable but not committed."""
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=1e-3),
                                         LogRAConfig(rank=16))
@@ -57,38 +77,33 @@ def proposed_update():
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     lm_forward_backward(ddp, TOKENS, 4)
-    old_logits = controller.probe_logits(ddp, PROBE)
-    params = controller.parameters_of(ddp)
-    before = [p.detach().clone() for p in params]
-    optimizer.step()
-    direction = [p.detach() - b for p, b in zip(params, before)]
-    controller.set_weights(params, before)
-    return ddp, controller, old_logits, params, before, direction
+    before = [p.detach().clone() for p in ddp.parameters()]
+    optimizer.propose()
+    return ddp, controller, optimizer, before
 
 
 def test_forecast_is_quadratic_in_the_step_for_small_steps(proposed_update):
-    ddp, controller, old_logits, params, before, direction = proposed_update
-    full = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK)
+    ddp, controller, optimizer, _ = proposed_update
+    full = controller.kl(ddp, optimizer, PROBE, 1.0)
     assert full > 0
     for scale in (0.5, 0.25):
-        scaled = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK, scale)
+        scaled = controller.kl(ddp, optimizer, PROBE, scale)
         assert scaled == pytest.approx(scale**2 * full, rel=0.1)
 
 
 def test_linear_forecast_agrees_with_the_probe_for_small_steps(proposed_update):
-    ddp, controller, old_logits, params, before, direction = proposed_update
-    probe = controller.forecast(ddp, old_logits, params, before, direction, PROBE, MASK)
-    linear = PredictedKLController(KLControlConfig(mode="linear", target=TARGET)).forecast(
-        ddp, old_logits, params, before, direction, PROBE, MASK)
+    ddp, controller, optimizer, _ = proposed_update
+    probe = controller.kl(ddp, optimizer, PROBE, 1.0)
+    linear = PredictedKLController(KLControlConfig(mode="linear", target=TARGET)).linear_kl(ddp, optimizer, PROBE)
     assert linear == pytest.approx(probe, rel=0.25)
 
 
-def test_probe_restores_weights_bitwise(proposed_update):
-    ddp, controller, old_logits, params, before, direction = proposed_update
-    for mode in ("probe", "linear"):
-        PredictedKLController(KLControlConfig(mode=mode)).forecast(
-            ddp, old_logits, params, before, direction, PROBE, MASK, 0.7)
-        assert all(torch.equal(p, b) for p, b in zip(params, before))
+def test_forecasts_leave_the_weights_bitwise_untouched(proposed_update):
+    ddp, controller, optimizer, before = proposed_update
+    controller.kl(ddp, optimizer, PROBE, 0.7)
+    PredictedKLController(KLControlConfig(mode="linear")).linear_kl(ddp, optimizer, PROBE)
+    assert all(torch.equal(p, b) for p, b in zip(ddp.parameters(), before))
+    assert any(p.requires_grad for p in ddp.parameters())  # the dense remainder was previewed too
 
 
 def test_bad_settings_are_clear():
@@ -98,6 +113,8 @@ def test_bad_settings_are_clear():
         KLControlConfig(target=0)
     with pytest.raises(UserError, match="--kl-probe-sequences"):
         KLControlConfig(probe_sequences=0)
+    with pytest.raises(UserError, match="--kl-max-scale must be >= 1"):
+        KLControlConfig(max_scale=0.5)
 
 
 def test_demo_prints_the_documented_json():

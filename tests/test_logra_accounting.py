@@ -19,20 +19,24 @@ from logra_megatron.training.setup import build_trainable, train_step
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
-@pytest.mark.parametrize("kind", ["adam", "logra"])
-def test_planned_state_bytes_equal_what_the_optimizer_allocates(kind):
+@pytest.mark.parametrize("kind,embeddings,bf16", [("adam", False, False), ("logra", False, False),
+                                                   ("adam", False, True), ("logra", True, True)])
+def test_planned_state_bytes_equal_what_the_optimizer_allocates(kind, embeddings, bf16):
     import torch
 
     model_config = get_preset("tiny")
-    logra = LogRAConfig(rank=16)
+    logra = LogRAConfig(rank=16, embeddings=embeddings)
     parallel.initialize(1, 1)
-    model, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=kind), logra)
+    model, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=kind), logra,
+                                            dtype=torch.bfloat16 if bf16 else torch.float32)
     tokens = torch.randint(0, model_config.vocab, (2, 17))
     train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, 2))
     planned = state_bytes(model, logra)["dense" if kind == "adam" else "logra"]
     measured = optimizer.state_bytes()
     assert measured["grad_bytes"] == planned.grad_bytes
     assert measured["projection_bytes"] == planned.projection_bytes
+    assert measured["master_weight_bytes"] == planned.master_weight_bytes
+    assert (planned.master_weight_bytes > 0) == bf16
     # Megatron's Adam also keeps a 'step' counter tensor per parameter.
     assert planned.optimizer_state_bytes <= measured["optimizer_state_bytes"] <= planned.optimizer_state_bytes * 1.01
 

@@ -1,6 +1,7 @@
 """LoGRA at TP=2, PP=2, TP=2xPP=2, DP, ZeRO-1 and across a TP=2 -> TP=1 checkpoint equals the
-TP=1 run from the same initial weights (3 steps crossing a projection refresh). One 4-rank
-launch for all."""
+TP=1 run from the same initial weights (3 steps crossing a projection refresh); in bf16, DP
+replicas stay bit-identical under stochastic rounding and fp32 masters shard over DP and
+reshard through checkpoints. One 4-rank launch for all."""
 
 import pytest
 from dist_harness import result, run_workers
@@ -47,3 +48,44 @@ def test_checkpoint_at_tp2_resumes_at_tp1_with_the_same_next_update(results):
         value = result(results, "ckpt_resume_tp1", rank)
         assert value["resumed_step"] == 2
         assert value["weight_rel_err"] < TOLERANCE, value
+
+
+@pytest.mark.parametrize("check", ["bf16_sr_dp4_replicas", "bf16_fp32_zero1_dp4_replicas"])
+def test_bf16_data_parallel_replicas_stay_bit_identical(results, check):
+    for rank in range(4):
+        value = result(results, check, rank)
+        assert value["dp_size"] == 4 and value["identical"], value
+        assert value["moved"] > 1e-3, value  # the weights did change
+    assert result(results, "bf16_sr_dp4_replicas")["master_bytes"] == 0
+
+
+def test_bf16_fp32_masters_shard_over_data_parallel(results):
+    for rank in range(4):
+        value = result(results, "bf16_fp32_master_zero1_vs_plain", rank)
+        # ZeRO-1 reduces by reduce-scatter, the plain run by all-reduce: a few fp32 values differ
+        # in the last bit, and a few weights round to the neighbouring bf16 value.
+        assert value["weight_rel_err"] < 1e-4, value
+        assert value["sharded_master_bytes"] * 4 == pytest.approx(value["plain_master_bytes"], rel=0.05), value
+
+
+def test_bf16_fp32_masters_reshard_through_a_checkpoint(results):
+    for rank in range(4):
+        assert result(results, "bf16_ckpt_save_tp2", rank) is True
+        value = result(results, "bf16_ckpt_resume_tp1", rank)
+        assert value["master_rel_err"] < 1e-7, value
+        assert value["master_vs_rounded"] > 0, value  # fp32 precision was kept, not bf16's
+
+
+@pytest.mark.parametrize("check,vocab_weights", [
+    ("embeddings_untied", ["embedding.word_embeddings.weight", "output_layer.weight"]),
+    ("embeddings_tied", ["embedding.word_embeddings.weight"]),
+])
+def test_sketched_embeddings_match_tp1_at_tp2_and_pp2(results, check, vocab_weights):
+    """Vocabulary-parallel sketches at TP=2, the tied embedding's two pipeline copies summed over
+    the embedding group at PP=2: the same sketches and weights as TP=1."""
+    for rank in range(4):
+        value = result(results, check, rank)
+        assert value["vocab_weights"] == vocab_weights and value["moved"] > 0.05, value
+        for layout in ("tp2_pp1", "tp1_pp2", "tp2_pp2"):
+            assert value[layout]["sketch_rel_err"] < TOLERANCE, (layout, value)
+            assert value[layout]["weight_rel_err"] < TOLERANCE, (layout, value)

@@ -39,7 +39,7 @@ def run_mode(mode, args, tokens):
     from logra_megatron import parallel
     from logra_megatron.logra import LogRAConfig
     from logra_megatron.training.config import KLControlConfig
-    from logra_megatron.training.kl_control import PredictedKLController
+    from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
     from logra_megatron.models import get_preset
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.config import OptimizerSettings
@@ -51,8 +51,8 @@ def run_mode(mode, args, tokens):
     controller = PredictedKLController(
         KLControlConfig(mode=mode, target=args.kl_target, probe_sequences=args.kl_probe_sequences,
                         realized_interval=1))  # the realized KL of every step
-    probe = tokens[: args.kl_probe_sequences]
-    mask = torch.ones_like(probe, dtype=torch.float)
+    rows = tokens[: args.kl_probe_sequences]
+    probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=len(rows))
     history = {"kl_pred": [], "kl_realized": [], "step_scale": [], "loss": []}
     controller_time = step_time = 0.0
     for _ in range(args.steps):
@@ -60,7 +60,7 @@ def run_mode(mode, args, tokens):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         loss = lm_forward_backward(ddp, tokens, 4)
-        metrics = controller.step(ddp, optimizer, probe, mask)
+        metrics = controller.step(ddp, optimizer, probe)
         step_time += time.perf_counter() - start
         controller_time += metrics["controller_time_s"]
         for key in ("kl_pred", "kl_realized", "step_scale"):

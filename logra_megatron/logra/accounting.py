@@ -43,13 +43,20 @@ class StateBytes:
         return dict(asdict(self), total_bytes=self.total)
 
 
-def _sketchable(model):
-    """``(name, module, side)`` for the decoder linears LoGRA sketches, whichever spec built them."""
+def _sketchable(model, logra_config: LogRAConfig):
+    """``(name, module, side)`` for the weights LoGRA sketches, whichever spec built the model:
+    the decoder linears, and with ``--logra-embeddings`` the word embedding and an output layer
+    that owns a weight."""
     found = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in SKETCHED_SLOTS or ".layers." not in f".{name}":
+        leaf = name.rsplit(".", 1)[-1]
+        if logra_config.embeddings and name.endswith("word_embeddings"):
+            found.append((name, module, RIGHT))
+        elif logra_config.embeddings and name == "output_layer" and module.weight is not None:
+            found.append((name, module, RIGHT))
+        elif leaf not in SKETCHED_SLOTS or ".layers." not in f".{name}":
             continue
-        if isinstance(module, ColumnParallelLinear):
+        elif isinstance(module, ColumnParallelLinear):
             found.append((name, module, RIGHT))
         elif isinstance(module, RowParallelLinear):
             found.append((name, module, LEFT))
@@ -57,29 +64,37 @@ def _sketchable(model):
 
 
 def state_bytes(model, logra_config: LogRAConfig) -> dict:
-    """``{"dense": StateBytes, "logra": StateBytes}`` for this rank's part of ``model``."""
-    sketchable = {id(module.weight): (name, module, side) for name, module, side in _sketchable(model)}
+    """``{"dense": StateBytes, "logra": StateBytes}`` for this rank's part of ``model``.
+
+    LoGRA's gradients are the sketches plus the norm probes' samples (``k`` columns or rows per
+    sketched weight), its masters the fp32 copies of sketched weights when the weights are
+    low precision and ``--logra-master fp32``."""
+    sketchable = {id(module.weight): (name, module, side) for name, module, side in _sketchable(model, logra_config)}
     master = 0 if next(model.parameters()).dtype == torch.float32 else FP32
-    all_numel = dense_remainder = sketch_numel = projection_numel = 0
+    all_numel = dense_remainder = sketched_numel = sketch_numel = projection_numel = probe_numel = 0
     for param in model.parameters():
         all_numel += param.numel()
         if id(param) not in sketchable:
             dense_remainder += param.numel()
+    probes = 0 if logra_config.identity_projection else logra_config.norm_probes
     for name, module, side in sketchable.values():
         out_features, in_features = module.weight.shape
         projected = in_features if side == RIGHT else out_features
         rank = projected if logra_config.identity_projection else logra_config.rank_for(projected, name)
-        sketch_numel += LinearSketch.sketch_shape(side, out_features, in_features, rank)[0] * \
-            LinearSketch.sketch_shape(side, out_features, in_features, rank)[1]
+        rows, cols = LinearSketch.sketch_shape(side, out_features, in_features, rank)
+        sketch_numel += rows * cols
         projection_numel += projected * rank
+        probe_numel += probes * (out_features if side == RIGHT else in_features)
+        sketched_numel += module.weight.numel()
+    sketched_master = master if logra_config.master == "fp32" else 0
     dense = StateBytes(
         grad_bytes=all_numel * FP32, optimizer_state_bytes=2 * all_numel * FP32,
         master_weight_bytes=all_numel * master, projection_bytes=0,
         dp_comm_bytes_per_step=all_numel * FP32)
     logra = StateBytes(
-        grad_bytes=(dense_remainder + sketch_numel) * FP32,
+        grad_bytes=(dense_remainder + sketch_numel + probe_numel) * FP32,
         optimizer_state_bytes=2 * (dense_remainder + sketch_numel) * FP32,
-        master_weight_bytes=dense_remainder * master, projection_bytes=projection_numel * FP32,
-        dp_comm_bytes_per_step=(dense_remainder + sketch_numel) * FP32)
+        master_weight_bytes=dense_remainder * master + sketched_numel * sketched_master,
+        projection_bytes=projection_numel * FP32,
+        dp_comm_bytes_per_step=(dense_remainder + sketch_numel + probe_numel) * FP32)
     return {"dense": dense, "logra": logra}
-

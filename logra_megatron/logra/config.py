@@ -7,6 +7,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.schema import option
 
 MOMENT_POLICIES = ("rotate", "reset")
+MASTER_MODES = ("fp32", "bf16-sr", "none")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,20 @@ class LogRAConfig:
     """"rotate" is the default: with "reset" the rotated first moment is divided by a one-sample
     second moment and the step blows up (tests/test_logra_training.py measures both on the same
     task)."""
+    master: str = option(
+        "fp32", flag="--logra-master", choices=MASTER_MODES,
+        help="with --bf16, where a sketched weight's update accumulates: fp32 (an fp32 master copy, "
+             "4 bytes/param, sharded over DP with --use-distributed-optimizer), bf16-sr (no master: "
+             "stochastic rounding into the bf16 weight), none (no master, round to nearest: lossy)")
+    norm_probes: int = option(
+        8, flag="--logra-norm-probes",
+        help="Gaussian probes per sketched weight that estimate the gradient outside the sketch, so "
+             "clipping and the logged grad_norm use an estimate of the full gradient norm; 0 clips on "
+             "the sketch norm alone")
+    embeddings: bool = option(
+        False, flag="--logra-embeddings",
+        help="also sketch the word embedding and the output layer (tied or not; vocabulary-parallel), "
+             "which otherwise stay dense with Megatron's Adam")
     zero1: bool = False
     """Distributed (ZeRO-1 style) mode: reduce-scatter the sketches over data parallel, keep one
     slice of the sketch-space Adam state per DP rank, all-gather the low-rank update. The dense
@@ -53,6 +68,10 @@ class LogRAConfig:
             raise UserError(f"--logra-refresh-interval must be a positive number of steps, got {self.refresh_interval}")
         if self.oversampling < 0:
             raise UserError(f"--logra-oversampling must be >= 0, got {self.oversampling}")
+        if self.master not in MASTER_MODES:
+            raise UserError(f"--logra-master must be one of {', '.join(MASTER_MODES)}, got {self.master!r}")
+        if self.norm_probes < 0:
+            raise UserError(f"--logra-norm-probes must be >= 0, got {self.norm_probes}")
         if self.second_moment not in MOMENT_POLICIES:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
 

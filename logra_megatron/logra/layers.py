@@ -32,6 +32,11 @@ class _SketchingMixin:
     def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, **_):
         if not torch.is_grad_enabled():
             output = torch.matmul(input, weight.t())
+            sketch = self.logra_sketch
+            if sketch is not None and sketch.preview is not None:
+                # Inside the row-parallel layer this is this rank's partial sum: the side path
+                # is reduced over TP with it (docs/ALGORITHM.md, "KL control").
+                output = sketch.preview_output(input, output)
             return output + bias if bias is not None else output
         return sketched_linear(input, weight, bias, self, allreduce_dgrad, tp_group)
 
@@ -76,6 +81,7 @@ def logra_layer_spec(base_spec=None):
 
 
 def sketched_modules(model):
-    """``(local_name, module)`` of every sketching linear in ``model``."""
+    """``(local_name, module)`` of every sketching module in ``model`` that owns a weight (a
+    tied output layer shares the embedding's; logra_megatron/logra/embeddings.py)."""
     return [(name, module) for name, module in model.named_modules()
-            if isinstance(module, _SketchingMixin)]
+            if isinstance(module, _SketchingMixin) and module.weight is not None]

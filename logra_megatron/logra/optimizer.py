@@ -11,13 +11,23 @@ A step:
    sketch norm (sketch shards are never TP-replicated, so their squares are summed over the
    model-parallel group, and over DP slices in ZeRO-1 mode); both parts are clipped by it
    (docs/ALGORITHM.md, "Exactness across TP").
+   With ``--logra-norm-probes k`` the sketch norm is completed by an unbiased estimate of the
+   gradient outside the sketch (:mod:`~logra_megatron.logra.grad_norm`), so clipping acts on
+   an estimate of the full gradient norm.
 3. The dense optimizer steps the remainder; the update rule (:mod:`~logra_megatron.logra.update_rules`)
    computes the low-rank update ``U`` (gathered over DP in ZeRO-1 mode), and each weight gets
-   decoupled weight decay and ``W -= lr * P U`` (left) or ``W -= lr * U Q^T`` (right)
-   (docs/ALGORITHM.md, "Sketch-space Adam").
+   decoupled weight decay and ``W -= lr * P U`` (left) or ``W -= lr * U Q^T`` (right), applied
+   by row blocks through the master mode (:mod:`~logra_megatron.logra.masters`;
+   docs/ALGORITHM.md, "Sketch-space Adam", "Master weights").
 4. On a refresh step the range-finder samples (reduced over TP and DP) give new projections;
    the rule's state is carried into the new bases (:mod:`~logra_megatron.logra.refresh`;
    docs/ALGORITHM.md, "Refresh").
+
+A step can also be proposed, previewed and committed (the KL controller's protocol,
+:mod:`logra_megatron.training.optimizer`): :meth:`LogRAOptimizer.propose` runs 1-3 up to ``U``
+and the dense part's undoable step, :meth:`~LogRAOptimizer.preview` shows ``W + s D`` to forward
+passes through a side path in the sketching layers (the weights are not touched), and
+:meth:`~LogRAOptimizer.commit` applies ``s D`` and refreshes.
 
 The dense part is injected (``dense``): an adapter around Megatron's optimizer that offers the
 phases of Megatron's step separately (:class:`DenseRemainder`); the training layer's registry
@@ -25,18 +35,24 @@ builds it, so this package never imports the training layer.
 """
 
 import math
-from typing import Dict, List, Protocol
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.logra.grad_norm import GradNormEstimator
+from logra_megatron.logra.masters import MasterWeights
 from logra_megatron.logra.refresh import RangeFinderRefresh
 from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.logra.sketch_buffer import SketchBuffer
 from logra_megatron.logra.update_rules import UPDATE_RULES
 from logra_megatron.models.build import unwrap_model
+from logra_megatron.models.weights import gather_full
 
 
 class DenseRemainder(Protocol):
@@ -57,7 +73,15 @@ class DenseRemainder(Protocol):
     def clip_grads(self, max_norm: float, total_norm: float) -> None:
         """Scale the dense gradients by ``max_norm / total_norm`` when that is below 1."""
 
-    def step_with_ready_grads(self) -> bool: ...
+    def propose_with_ready_grads(self) -> bool:
+        """Step the dense parameters from the prepared gradients, undoably (see preview)."""
+
+    def preview(self, scale: float) -> None:
+        """The dense parameters at ``before + scale * (after - before)`` of the proposed step."""
+
+    def commit(self, scale: float) -> None: ...
+
+    def extra_bytes(self) -> int: ...
 
     def reset_state(self) -> None: ...
 
@@ -68,6 +92,18 @@ class DenseRemainder(Protocol):
     def load_state_dict(self, state) -> None: ...
 
     def reload_model_params(self) -> None: ...
+
+
+@dataclass
+class Proposal:
+    """A computed, not yet applied, step of the sketched weights."""
+
+    update: torch.Tensor
+    """The low-rank update ``U``, flat and full length (laid out like the sketch buffer)."""
+    lr: float
+    weight_decay: float
+    refresh: bool
+    """The step's backward collected range-finder samples: refresh after committing."""
 
 
 class LogRAOptimizer:
@@ -92,7 +128,14 @@ class LogRAOptimizer:
         self.sketch_buffer = SketchBuffer(unwrap_model(model_chunks[0]), logra_config)
         self.update_rule = UPDATE_RULES[update_rule](self.sketch_buffer.slice_numel, optimizer_config, logra_config)
         self.refresh = RangeFinderRefresh(logra_config, self.sketch_buffer)
+        self.masters = MasterWeights(self.sketch_buffer.weights, logra_config.master, logra_config.seed,
+                                     shard_over_dp=logra_config.zero1)
+        self.norm_estimator = None
+        if logra_config.norm_probes and not logra_config.identity_projection:
+            self.norm_estimator = GradNormEstimator(self.sketch_buffer, logra_config.norm_probes, logra_config.seed)
         self.step_count = 0
+        self.proposal: Optional[Proposal] = None
+        self.last_norms: Dict[str, float] = {}
         dense_group = self.dense.param_groups[0]
         self.sketch_group = {
             key: value for key, value in dense_group.items() if key not in ("params",)
@@ -113,9 +156,10 @@ class LogRAOptimizer:
             group["lr"] = lr
 
     def reload_model_params(self) -> None:
-        """Re-sync the dense optimizer's master copies from the model (after weights were set
-        from outside, e.g. by the KL controller). Sketched weights have no master copy."""
+        """Re-sync every master copy from the model's weights (after they were loaded from a
+        checkpoint that holds no optimizer state)."""
         self.dense.reload_model_params()
+        self.masters.reload_from_weights()
 
     def reset_state(self) -> None:
         """Forget the optimizer's history (the update rule's state, the dense moments and the
@@ -129,55 +173,105 @@ class LogRAOptimizer:
         return self.refresh.is_refresh_step(self.step_count)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear dense grads and sketches; on a refresh step, arm the range finder."""
+        """Clear dense grads and sketches; arm the norm probes, and on a refresh step the range
+        finder, for the coming backward."""
         self.dense.zero_grad(set_to_none)
         self.sketch_buffer.zero_()
         self.refresh.arm(self.step_count)
+        if self.norm_estimator is not None:
+            self.norm_estimator.arm(self.step_count)
 
     @torch.no_grad()
     def step(self):
         """Returns ``(success, grad_norm, num_zeros)`` like Megatron's optimizers."""
+        success, grad_norm, num_zeros = self.propose()
+        if success:
+            self.commit(1.0)
+        return success, grad_norm, num_zeros
+
+    @torch.no_grad()
+    def propose(self):
+        """Steps 1-3 of the module docstring without touching a sketched weight: reduce, norm,
+        clip, the dense part's undoable step, the update rule's ``U``. Returns ``(success,
+        grad_norm, None)``; on an inf/NaN gradient (dense or sketched, agreed by every rank)
+        nothing advances and ``success`` is False."""
         refresh = self.is_refresh_step()
+        self.sketch_buffer.reduce_tied()
         if refresh:
             self.refresh.reduce_samples()
         grads = self.sketch_buffer.reduce()
-        found_inf = self.dense.prepare_grads()
+        found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads)
         if found_inf:
+            self.proposal = None
             return False, None, None
-        dense_norm = self.dense.grad_norm()
-        grad_norm = math.sqrt(dense_norm**2 + self.sketch_buffer.squared_norm(grads))
+        dense_sq = self.dense.grad_norm() ** 2
+        sketch_sq = self.sketch_buffer.squared_norm(grads)
+        residual_sq = self.norm_estimator.residual_squared_norm() if self.norm_estimator else 0.0
+        grad_norm = math.sqrt(dense_sq + sketch_sq + residual_sq)
+        self.last_norms = {"grad_norm": grad_norm, "grad_norm_sketch": math.sqrt(dense_sq + sketch_sq)}
         clip = self.config.clip_grad
         if clip > 0.0:
             self.dense.clip_grads(clip, grad_norm)
             coefficient = clip / (grad_norm + 1e-6)
             if coefficient < 1.0:
                 grads.mul_(coefficient)
-        success = self.dense.step_with_ready_grads()
+        success = self.dense.propose_with_ready_grads()
         lr, weight_decay = self.sketch_group["lr"], self.sketch_group["weight_decay"]
-        update = self.update_rule.update(grads, lr, weight_decay, self.step_count + 1)
-        self._apply(self.sketch_buffer.full(update), lr, weight_decay)
-        if refresh:
-            self.refresh.refresh(self.update_rule)
-        self.step_count += 1
+        update = self.sketch_buffer.full(self.update_rule.update(grads, lr, weight_decay, self.step_count + 1))
+        if update is grads or update.data_ptr() == self.sketch_buffer.flat.data_ptr():
+            update = update.clone()  # the sketch buffer is cleared before the next backward
+        self.proposal = Proposal(update, lr, weight_decay, refresh)
         return success, grad_norm, None
 
-    def _apply(self, update: torch.Tensor, lr: float, weight_decay: float) -> None:
-        """Decoupled weight decay and the low-rank update mapped back to every weight shard."""
+    def _sketch_not_finite(self, grads: torch.Tensor) -> bool:
+        flag = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+        if self.sketch_buffer.sliced:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.dp_group())
+        return bool(flag.item() > 0)
+
+    def preview(self, scale: float) -> None:
+        """Forward passes see ``W + scale * D`` of the proposed step (``scale = 0``: ``W``): the
+        sketched weights through the layers' side path, the dense remainder set in place."""
+        proposal = self.proposal
         for entry in self.sketch_buffer.weights:
-            weight = entry.weight
-            low_rank = entry.view(update)
-            if weight_decay != 0.0:
-                weight.mul_(1 - lr * weight_decay)
-            weight.add_(entry.sketch.update_from(low_rank).to(weight.dtype), alpha=-lr)
+            entry.sketch.preview = None if scale == 0 else (
+                scale * proposal.lr, proposal.weight_decay, entry.view(proposal.update))
+        self.dense.preview(scale)
+
+    @torch.no_grad()
+    def commit(self, scale: float) -> None:
+        """Apply ``scale`` times the proposed step, then refresh the projections if due."""
+        proposal = self.proposal
+        for entry in self.sketch_buffer.weights:
+            entry.sketch.preview = None
+        self.masters.apply(proposal.update, scale * proposal.lr, proposal.weight_decay, self.step_count)
+        self.dense.commit(scale)
+        if proposal.refresh:
+            self.refresh.refresh(self.update_rule)
+        self.proposal = None
+        self.step_count += 1
+
+    def extra_bytes(self) -> int:
+        """Bytes held only while a step is proposed: the dense part's copies (the low-rank
+        update ``U`` is the size of the sketch and is counted with the gradients)."""
+        return self.dense.extra_bytes()
+
+    def diagnostics(self) -> Dict[str, float]:
+        """The last step's gradient norms: ``grad_norm`` (what clipping used: dense + sketch +
+        the estimate of the gradient outside the sketch) and ``grad_norm_sketch`` (dense +
+        sketch only)."""
+        return dict(self.last_norms)
 
     def state_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds: the dense part's plus the sketch buffer (gradients), the
-        update rule's state slices and the projections."""
+        """Bytes this rank holds: the dense part's plus the sketch buffer and norm probes
+        (gradients), the update rule's state slices, the fp32 masters and the projections."""
         dense = self.dense.state_bytes()
         rule_bytes = sum(t.numel() * t.element_size() for t in self.update_rule.state().values())
-        return {"grad_bytes": dense["grad_bytes"] + self.sketch_buffer.grad_bytes(),
+        probe_bytes = self.norm_estimator.state_bytes() if self.norm_estimator else 0
+        return {"grad_bytes": dense["grad_bytes"] + self.sketch_buffer.grad_bytes() + probe_bytes,
                 "optimizer_state_bytes": dense["optimizer_state_bytes"] + rule_bytes,
-                "master_weight_bytes": dense["master_weight_bytes"],
+                "master_weight_bytes": dense["master_weight_bytes"] + self.masters.state_bytes(),
                 "projection_bytes": dense["projection_bytes"] + self.sketch_buffer.projection_bytes()}
 
     # --- inspection ------------------------------------------------------------------------------
@@ -212,16 +306,26 @@ class LogRAOptimizer:
         for entry in self.sketch_buffer.weights:
             saved = {name: entry.view(tensor).clone() for name, tensor in full.items()}
             saved["projection"] = entry.sketch.projection.clone()
+            if self.masters.mode == "fp32":
+                saved["master"] = self.masters.full_master(entry)
             per_weight[entry.name] = saved
         return per_weight
+
+    def _saved_state_names(self) -> tuple:
+        """Per-weight tensors split like the sketch: the rule's state, and fp32 masters."""
+        return self.update_rule.state_names + (("master",) if self.masters.mode == "fp32" else ())
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict:
         """For ``dist_checkpointing``: the dense optimizer's state plus the sketch-space state as
         ``ShardedTensor``s keyed by global weight name, so it reshards across TP and PP.
 
         A state tensor of the update rule is split over TP exactly like its weight's sketch
-        (rows for right sketches, columns for left ones; the SwiGLU fc1 halves as two tensors).
-        Projections are the same on every TP/DP rank and are saved once.
+        (rows for right sketches, columns for left ones; the SwiGLU fc1 halves as two tensors),
+        and so is an fp32 master (``--logra-master fp32``: it is split like its weight, which
+        is the same axis). Projections are the same on every TP/DP rank and are saved once.
+        Embedding and output weights (``--logra-embeddings``) have a vocabulary padded to a
+        TP-dependent size: their per-row state is gathered over TP, cut to the real
+        vocabulary and saved once, so it reshards to any TP.
         """
         tp_rank, tp_size, dp_rank = parallel.tp_rank(), parallel.tp_size(), parallel.dp_rank()
         per_weight = self._per_weight_state()
@@ -230,8 +334,14 @@ class LogRAOptimizer:
             saved = per_weight[entry.name]
             key = f"logra.{entry.name}"
             axis = 0 if entry.sketch.side == RIGHT else 1
-            for state_name in self.update_rule.state_names:
+            copy = int(entry.pipeline_copy)
+            for state_name in self._saved_state_names():
                 tensor = saved[state_name]
+                if entry.vocab_rows is not None:
+                    full = gather_full(tensor, entry.weight, entry.name)[:entry.vocab_rows].contiguous()
+                    sharded[f"{entry.name}.{state_name}"] = ShardedTensor.from_rank_offsets(
+                        f"{key}.{state_name}", full, replica_id=(copy, tp_rank, dp_rank))
+                    continue
                 parts = torch.chunk(tensor, 2, dim=0) if entry.is_swiglu_fc1 else (tensor,)
                 for index, part in enumerate(parts):
                     suffix = f".half{index}" if entry.is_swiglu_fc1 else ""
@@ -239,7 +349,7 @@ class LogRAOptimizer:
                         f"{key}.{state_name}{suffix}", part.contiguous(), (axis, tp_rank, tp_size),
                         replica_id=dp_rank)
             sharded[f"{entry.name}.projection"] = ShardedTensor.from_rank_offsets(
-                f"{key}.projection", saved["projection"], replica_id=(0, tp_rank, dp_rank))
+                f"{key}.projection", saved["projection"], replica_id=(copy, tp_rank, dp_rank))
         return {
             "dense": self.dense.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs),
             "logra_tensors": sharded,
@@ -255,13 +365,10 @@ class LogRAOptimizer:
         full = {name: torch.zeros(self.sketch_buffer.numel) for name in names}
         for entry in self.sketch_buffer.weights:
             for name in names:
-                if entry.is_swiglu_fc1:
-                    saved = torch.cat([tensors[f"{entry.name}.{name}.half0"],
-                                       tensors[f"{entry.name}.{name}.half1"]], dim=0)
-                else:
-                    saved = tensors[f"{entry.name}.{name}"]
-                entry.view(full[name]).copy_(saved)
+                entry.view(full[name]).copy_(self._loaded(tensors, entry, name))
             entry.sketch.projection = tensors[f"{entry.name}.projection"].float().contiguous().clone()
+            if self.masters.mode == "fp32":
+                self.masters.load_full_master(entry, self._loaded(tensors, entry, "master"))
         for name, tensor in self.update_rule.state().items():
             tensor.copy_(self.sketch_buffer.local_slice(full[name]))
         counters = state["logra_counters"]
@@ -269,3 +376,19 @@ class LogRAOptimizer:
         self.update_rule.load_counters(counters)
         self.refresh.refreshes_done = int(counters["refreshes_done"])
         self.sketch_group.update(state.get("sketch_group", {}))
+
+    @staticmethod
+    def _loaded(tensors: dict, entry, name: str) -> torch.Tensor:
+        """A loaded per-weight tensor as this rank holds it: its SwiGLU halves joined, or its
+        vocabulary block cut from the saved real-vocabulary rows."""
+        if entry.vocab_rows is not None:
+            full = tensors[f"{entry.name}.{name}"]
+            local = entry.shape[0] if name != "master" else entry.weight.shape[0]
+            start = parallel.tp_rank() * local
+            block = torch.zeros((local,) + tuple(full.shape[1:]), dtype=full.dtype)
+            rows = full[start:start + local]
+            block[:rows.shape[0]] = rows
+            return block
+        if entry.is_swiglu_fc1:
+            return torch.cat([tensors[f"{entry.name}.{name}.half0"], tensors[f"{entry.name}.{name}.half1"]], dim=0)
+        return tensors[f"{entry.name}.{name}"]

@@ -44,6 +44,15 @@ class LinearSketch:
         # matrix and the accumulated sample.
         self.test_matrix: Optional[torch.Tensor] = None
         self.range_sample: Optional[torch.Tensor] = None
+        # Gradient-norm probes (docs/ALGORITHM.md, "Gradient norm"): Omega' = (I - Q Q^T) Omega
+        # (projected dim x k) and the accumulated residual sample G Omega' (right) or
+        # Omega'^T G (left); None when the norm is not estimated.
+        self.norm_probe: Optional[torch.Tensor] = None
+        self.norm_sample: Optional[torch.Tensor] = None
+        # A proposed update shown to forward passes without touching the weight (the KL
+        # controller's forecast, docs/ALGORITHM.md "KL control"): (step, weight_decay, U) means
+        # W + step * (-weight_decay * W - dW(U)); None: the weight as it is.
+        self.preview: Optional[tuple] = None
 
     @property
     def rank(self) -> int:
@@ -69,12 +78,62 @@ class LinearSketch:
             else:
                 # G Omega = dY^T (X Omega), Omega has this rank's in rows.
                 self.range_sample.addmm_(grad_output.t(), inputs @ self.test_matrix)
+        if self.norm_probe is not None:
+            if self.side == RIGHT:  # G Omega' = dY^T (X Omega'), m x k
+                self.norm_sample.addmm_(grad_output.t(), inputs @ self.norm_probe)
+            else:  # Omega'^T G = (dY Omega')^T X, k x n
+                self.norm_sample.addmm_((grad_output @ self.norm_probe).t(), inputs)
+
+    @torch.no_grad()
+    def accumulate_lookup(self, ids: torch.Tensor, grad_output: torch.Tensor, valid: torch.Tensor) -> None:
+        """Add an embedding lookup's sketch (right side only): ``G = onehot(ids)^T dY``, so
+        ``G Q = onehot^T (dY Q)`` is an index-add of ``dY Q`` rows; ``valid`` marks the ids in
+        this rank's vocabulary block (logra_megatron/logra/embeddings.py)."""
+        ids, grad_output = ids[valid], grad_output[valid].float()
+        self.sketch.index_add_(0, ids, grad_output @ self.projection)
+        if self.test_matrix is not None:  # G^T Omega = dY^T Omega[ids]
+            self.range_sample.addmm_(grad_output.t(), self.test_matrix[ids])
+        if self.norm_probe is not None:  # G Omega' = onehot^T (dY Omega')
+            self.norm_sample.index_add_(0, ids, grad_output @ self.norm_probe)
 
     def update_from(self, low_rank_update: torch.Tensor) -> torch.Tensor:
-        """Map a sketch-space update back to this weight shard's full size."""
+        """Map a sketch-space update back to this weight shard's full size (a dense m x n
+        tensor: for tests and small weights; the optimizer applies updates by row blocks with
+        :meth:`update_factors`)."""
         if self.side == RIGHT:
             return low_rank_update @ self.projection.t()
         return self.projection @ low_rank_update
+
+    def update_factors(self, low_rank_update: torch.Tensor, rows: slice):
+        """``(A, B)`` with ``A @ B`` = rows ``rows`` of the full-size update, so a row block of
+        ``W`` is updated in place by ``addmm_`` without the dense m x n product existing."""
+        if self.side == RIGHT:
+            return low_rank_update[rows], self.projection.t()
+        return self.projection[rows], low_rank_update
+
+    def preview_output(self, inputs: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """``X (W + s D)^T`` from ``output = X W^T`` and the factors of ``D`` (:attr:`preview`),
+        with two thin matmuls: ``(1 - s wd) X W^T - s (X Q) U^T`` (right) or
+        ``- s (X U^T) P^T`` (left). Computed in fp32, returned in ``output``'s dtype."""
+        step, weight_decay, update = self.preview
+        flat = inputs.reshape(-1, inputs.shape[-1]).float()
+        if self.side == RIGHT:
+            side = (flat @ self.projection) @ update.t()
+        else:
+            side = (flat @ update.t()) @ self.projection.t()
+        return self._previewed(output, side.reshape(output.shape))
+
+    def preview_lookup(self, ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """``(E + s D)[ids]`` from ``output = E[ids]`` (a right sketch: ``D = -wd E - U Q^T``)."""
+        update = self.preview[2]
+        return self._previewed(output, update[ids] @ self.projection.t())
+
+    def _previewed(self, output: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        step, weight_decay, _ = self.preview
+        result = output.float()
+        if weight_decay:
+            result = result * (1.0 - step * weight_decay)
+        return (result - step * side).to(output.dtype)
 
 
 class _SketchedLinearFunction(torch.autograd.Function):

@@ -21,17 +21,21 @@ from megatron.core import parallel_state
 
 from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.layers import sketched_modules
+from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
 from logra_megatron.seeding import name_seed
 
 
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
 class SketchedWeight:
     """Bookkeeping for one sketched weight: its module, sketch, and views into flat buffers."""
 
-    def __init__(self, name: str, local_name: str, module, sketch: LinearSketch, offset: int):
+    def __init__(self, name: str, local_name: str, module, sketch: LinearSketch, offset: int,
+                 tied_across_stages: bool = False, pipeline_copy: bool = False):
         self.name = name  # global, e.g. decoder.layers.3.mlp.linear_fc1.weight
         self.local_name = local_name
         self.module = module
@@ -39,6 +43,14 @@ class SketchedWeight:
         self.offset = offset  # into the flat sketch buffer
         self.numel = sketch.sketch.numel()
         self.shape = tuple(sketch.sketch.shape)
+        self.tied_across_stages = tied_across_stages
+        """A tied embedding held by the first and the last pipeline stage: its sketches are
+        summed over Megatron's embedding group."""
+        self.pipeline_copy = pipeline_copy
+        """The last stage's copy of a tied embedding: counted once, on the first stage, in
+        norms and checkpoints."""
+        self.vocab_rows = getattr(module, "logra_vocab_size", None)
+        """Real vocabulary rows of an embedding or output weight (None for other weights)."""
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -66,10 +78,13 @@ class SketchBuffer:
         self.zero1 = logra_config.zero1
         self.dp = parallel.dp_size()
         offset_layers = layer_offset(model)
+        tied = bool(getattr(model, "share_embeddings_and_output_weights", False)) and parallel.pp_size() > 1
         entries = []
         total = 0
         for local_name, module in sketched_modules(model):
             name = global_name(local_name, offset_layers) + ".weight"
+            if local_name == "output_layer" and model.share_embeddings_and_output_weights:
+                name = TIED_EMBEDDING  # the pipeline copy: the embedding's projection and seeds
             out_features, in_features = module.weight.shape
             side = module.sketch_side
             projected = in_features if side == RIGHT else out_features
@@ -92,7 +107,12 @@ class SketchBuffer:
             view = self.flat[offset : offset + math.prod(shape)].view(shape)
             sketch = LinearSketch(name, side, out_f, in_f, projection, view)
             module.logra_sketch = sketch
-            self.weights.append(SketchedWeight(name, local_name, module, sketch, offset))
+            self.weights.append(SketchedWeight(name, local_name, module, sketch, offset,
+                                               tied_across_stages=tied and name == TIED_EMBEDDING,
+                                               pipeline_copy=tied and local_name == "output_layer"))
+        for module in model.modules():  # a tied output layer on the embedding's stage
+            if isinstance(module, _SketchingMixin) and module.weight is None:
+                module.logra_sketch = model.embedding.word_embeddings.logra_sketch
         self.slice_numel = padded // self.dp if self.zero1 else padded
 
     @property
@@ -122,11 +142,32 @@ class SketchBuffer:
         dist.all_reduce(self.flat, group=parallel.dp_group())
         return self.flat.div_(self.dp)
 
+    def reduce_tied(self) -> None:
+        """Sum a tied embedding's sketch (and range and norm samples) over Megatron's embedding
+        group: the first stage saw the lookups, the last stage the logits."""
+        for entry in self.weights:
+            if entry.tied_across_stages:
+                for tensor in (entry.sketch.sketch, entry.sketch.range_sample, entry.sketch.norm_sample):
+                    if tensor is not None:
+                        dist.all_reduce(tensor, group=parallel_state.get_embedding_group())
+
+    def local_part(self, entry: SketchedWeight, local: torch.Tensor):
+        """The elements of ``entry`` within this rank's slice ``local`` (a flat view), or None."""
+        start = parallel.dp_rank() * self.slice_numel if self.sliced else 0
+        first = max(entry.offset, start)
+        last = min(entry.offset + entry.numel, start + local.numel())
+        return local[first - start:last - start] if last > first else None
+
     def squared_norm(self, grads: torch.Tensor) -> float:
         """Squared norm of the whole model's reduced sketch gradient, from this rank's
         ``grads`` (what :meth:`reduce` returned): summed over the model-parallel group, and
-        over DP slices in ZeRO-1 mode."""
-        sketch_sq = torch.tensor([float(grads.double().pow(2).sum())], dtype=torch.float64)
+        over DP slices in ZeRO-1 mode; a tied embedding's pipeline copy is counted once."""
+        squared = float(grads.double().pow(2).sum())
+        for entry in self.weights:
+            part = self.local_part(entry, grads) if entry.pipeline_copy else None
+            if part is not None:
+                squared -= float(part.double().pow(2).sum())
+        sketch_sq = torch.tensor([squared], dtype=torch.float64)
         dist.all_reduce(sketch_sq, group=parallel_state.get_model_parallel_group())
         if self.sliced:
             dist.all_reduce(sketch_sq, group=parallel.dp_group())

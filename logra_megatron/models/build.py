@@ -121,7 +121,7 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=model.padded_vocab(config.tensor_model_parallel_size),
@@ -133,6 +133,14 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
     )
+    if config.params_dtype != torch.float32:
+        # The local spec's norms create fp32 weights whatever params_dtype says; Megatron's
+        # training casts every parameter to the compute dtype (Float16Module), and its
+        # Float16Optimizer can only checkpoint the state of parameters of that dtype.
+        with torch.no_grad():
+            for param in gpt.parameters():
+                param.data = param.data.to(config.params_dtype)
+    return gpt
 
 
 def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:

@@ -48,6 +48,21 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor
     return torch.chunk(full, size, dim=dim)[rank]
 
 
+def global_indices(param: torch.Tensor, name: str, dim: int) -> torch.Tensor:
+    """For each index of this rank's shard of ``param`` along ``dim``, its index in the full
+    (TP=1) tensor: a TP-split dimension is offset by the rank's slice (per half for the SwiGLU
+    ``linear_fc1``), any other dimension maps to itself."""
+    local = param.shape[dim]
+    if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != dim:
+        return torch.arange(local)
+    rank, size = parallel.tp_rank(), parallel.tp_size()
+    if is_swiglu_fc1(name):
+        half = local // 2
+        block = torch.arange(rank * half, (rank + 1) * half)
+        return torch.cat([block, block + half * size])
+    return torch.arange(rank * local, (rank + 1) * local)
+
+
 def gather_full(local: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
     """The full tensor assembled from every TP rank's ``local`` slice (collective over TP)."""
     if not getattr(param, "tensor_model_parallel", False) or parallel.tp_size() == 1:

@@ -201,15 +201,15 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.
 
 # --- means over the KL controller's probe tokens (sums over the vocabulary reduced over TP) ----
 
-def vocab_parallel_mean_kl(old_logits, new_logits, mask) -> float:
-    """Mean over masked tokens of KL(softmax(old) || softmax(new)), both vocab-parallel slices."""
+def masked_kl_sum(old_logits, new_logits, mask) -> float:
+    """Sum over the masked tokens of KL(softmax(old) || softmax(new)), both vocab-parallel
+    slices (divide by ``mask.sum()`` for the mean)."""
     per_token = vocab_parallel_kl(old_logits, new_logits, group=parallel.tp_group())
-    mask = mask.to(per_token.dtype)
-    return float((per_token * mask).sum() / mask.sum().clamp(min=1))
+    return float((per_token * mask.to(per_token.dtype)).sum())
 
 
-def vocab_parallel_mean_half_variance(logits, delta, mask) -> float:
-    """Mean over masked tokens of ``0.5 * Var_p(delta)`` with ``p = softmax(logits)``; both
+def masked_half_variance_sum(logits, delta, mask) -> float:
+    """Sum over the masked tokens of ``0.5 * Var_p(delta)`` with ``p = softmax(logits)``; both
     tensors are vocab-parallel slices (sums over the vocabulary all-reduced over TP)."""
     group = parallel.tp_group()
     logits = logits.double()
@@ -223,5 +223,4 @@ def vocab_parallel_mean_half_variance(logits, delta, mask) -> float:
         dist.all_reduce(sums, group=group)
     mean = sums[1] / sums[0]
     variance = (sums[2] / sums[0] - mean.square()).clamp(min=0)
-    mask = mask.double()
-    return float((0.5 * variance * mask).sum() / mask.sum().clamp(min=1))
+    return float((0.5 * variance * mask.double()).sum())

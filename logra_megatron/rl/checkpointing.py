@@ -31,6 +31,7 @@ def load_training_state(directory, model, optimizer) -> dict:
     path = os.path.join(directory, TRAINER_STATE_FILE)
     if not os.path.isfile(path):
         load_checkpoint(directory, model)
+        optimizer.reload_model_params()  # the masters were copied from the fresh weights
         return {"step": 0, "warmup_done": False, "summary": {}}
     loaded = load_checkpoint(directory, model,
                              extra_sharded={"optimizer": _optimizer_sharded(model, optimizer, True)})

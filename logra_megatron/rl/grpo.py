@@ -13,7 +13,7 @@ normalized by the number of response tokens of this data-parallel rank's whole b
 does not depend on how the batch is split into microbatches.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -22,7 +22,8 @@ from logra_megatron import parallel
 from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from logra_megatron.rl.losses import PolicyLossConfig, policy_loss
 from logra_megatron.rollout.types import Rollouts
-from logra_megatron.training.lm import forward_logits, padded_forward
+from logra_megatron.training.kl_control import ProbeSet
+from logra_megatron.training.lm import padded_forward
 
 
 # Metrics that policy_loss divides by the batch's response tokens (sum them over microbatches);
@@ -127,20 +128,31 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
     return {name: parallel.agree_on_scalar(summary.get(name, 0.0)) for name in names}
 
 
-def rollout_logits(model, rollouts: Rollouts, rows, micro_batch_size: int,
-                   vocab_size: Optional[int] = None):
-    """Vocab-parallel logits of some rollouts (``rows``: a count, meaning the first ones, or a
-    tensor of row indices) with their own padding mask and positions, on the last stage (None
-    elsewhere): the KL controller's probe forward."""
-    index = torch.arange(rows) if isinstance(rows, int) else rows
-    return forward_logits(model, rollouts.tokens[index], micro_batch_size,
-                          attention_mask=rollouts.attention_mask[index],
-                          position_ids=rollouts.position_ids[index], vocab_size=vocab_size)
-
-
-def probe_rows(rollouts: Rollouts, count: int) -> torch.Tensor:
+def probe_rows(rollouts: Rollouts, count: int, offset: float = 0.0) -> torch.Tensor:
     """``count`` row indices spread evenly over the batch, so the KL probe sees as many
-    different prompts as it can (rows of one prompt are adjacent)."""
+    different prompts as it can (rows of one prompt are adjacent). ``offset`` (in [0, 1))
+    shifts them by that fraction of the spacing: 0.5 gives rows between the probe's."""
     total = rollouts.tokens.shape[0]
     count = min(count, total)
-    return torch.div(torch.arange(count) * total, count, rounding_mode="floor")
+    return torch.div((torch.arange(count) + offset) * total, count, rounding_mode="floor").long()
+
+
+def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, vocab_size: Optional[int]) -> ProbeSet:
+    """The KL controller's view of some rollouts: their own padding mask and positions, and
+    the response positions (position t predicts token t + 1) as the tokens that count."""
+    mask = torch.zeros(len(rows), rollouts.tokens.shape[1])
+    mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
+    return ProbeSet(tokens=rollouts.tokens[rows], mask=mask, attention_mask=rollouts.attention_mask[rows],
+                    position_ids=rollouts.position_ids[rows], vocab_size=vocab_size,
+                    micro_batch_size=max(1, min(micro_batch_size, len(rows))))
+
+
+def probe_and_held_out(rollouts: Rollouts, count: int, micro_batch_size: int,
+                       vocab_size: Optional[int]) -> Tuple[ProbeSet, Optional[ProbeSet]]:
+    """The probe (``count`` rows spread over the batch's prompts) and as many other rows, half a
+    spacing further, for the realized KL out of sample (None when the batch has no room)."""
+    probe = probe_rows(rollouts, count)
+    held_out = probe_rows(rollouts, count, offset=0.5)
+    held_out = held_out[~torch.isin(held_out, probe)]
+    return (probe_set(rollouts, probe, micro_batch_size, vocab_size),
+            probe_set(rollouts, held_out, micro_batch_size, vocab_size) if len(held_out) else None)

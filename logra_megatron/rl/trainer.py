@@ -26,7 +26,7 @@ from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_c
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.checkpointing import load_training_state, save_training_state
 from logra_megatron.rl.config import TrainConfig, resolve
-from logra_megatron.rl.grpo import policy_loss_backward, probe_rows, rollout_logits, sequence_logprobs
+from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.rewards import get_reward
 from logra_megatron.rl.tasks import ArithmeticTasks
@@ -222,12 +222,10 @@ def rl_step(run: Run, step: int) -> dict:
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=temperature,
                                         vocab_size=run.vocab)
-    # The KL probe: completions spread over the batch's prompts; position t predicts token t+1.
-    probe = probe_rows(rollouts, config.kl.probe_sequences)
-    probe_mask = torch.zeros_like(rollouts.response_mask[probe], dtype=torch.float)
-    probe_mask[:, :-1] = rollouts.response_mask[probe, 1:].float()
-    control = run.controller.step(ddp, run.optimizer, rollouts.tokens[probe], probe_mask,
-                                  logits_fn=lambda m: rollout_logits(m, rollouts, probe, micro, run.vocab))
+    # The KL probe: completions spread over the batch's prompts, and rows it does not see for
+    # the realized KL out of sample.
+    probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
+    control = run.controller.step(ddp, run.optimizer, probe, held_out)
     run.engine.sync_weights(ddp)
 
     elapsed = time.perf_counter() - step_start
@@ -236,7 +234,7 @@ def rl_step(run: Run, step: int) -> dict:
         "reward_mean": agree(float(rewards.mean())),
         "reward_std": agree(float(rewards.std())),
         "accuracy": 100.0 * agree(float((rewards >= 1.0).float().mean())),
-        "grad_norm": control["grad_norm"], "kl_pred": control["kl_pred"],
+        "grad_norm": control["grad_norm"], **run.optimizer.diagnostics(), "kl_pred": control["kl_pred"],
         "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
         "controller_time_s": control["controller_time_s"],
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,

@@ -76,7 +76,11 @@ class KLControlConfig:
     probe_sequences: int = option(8, flag="--kl-probe-sequences",
                                   help="sequences of the batch (spread over its prompts) that form the probe set")
     realized_interval: int = option(5, flag="--kl-realized-interval",
-                                    help="measure the realized KL of the committed update every N steps (0 = never)")
+                                    help="every N steps measure the KL of the committed update on batch rows "
+                                         "the probe did not see (0 = never)")
+    max_scale: float = option(1.0, flag="--kl-max-scale",
+                              help="largest step scale: above 1 a step whose forecast is below the target "
+                                   "grows up to this factor (the reference implementation allows 3)")
     linear_epsilon: float = 1e-3
     """Finite-difference step (a fraction of D) of the linear forecast."""
     max_refinements: int = 4
@@ -91,6 +95,8 @@ class KLControlConfig:
             raise UserError(f"--kl-target must be > 0, got {self.target}")
         if self.probe_sequences < 1:
             raise UserError(f"--kl-probe-sequences must be >= 1, got {self.probe_sequences}")
+        if not self.max_scale >= 1.0:
+            raise UserError(f"--kl-max-scale must be >= 1, got {self.max_scale}")
         if self.realized_interval < 0:
             raise UserError(f"--kl-realized-interval must be >= 0, got {self.realized_interval}")
         if not 0 < self.linear_epsilon <= 1:

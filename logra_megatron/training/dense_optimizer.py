@@ -3,7 +3,15 @@ not) behind the training optimizer protocol (:mod:`logra_megatron.training.optim
 
 It is the ``--optimizer adam`` baseline, and LoGRA's optimizer of the dense remainder (the
 parameters that are not sketched), for which it also offers Megatron's step in its phases
-(``prepare_grads``, ``grad_norm``, ``clip_grads``, ``step_with_ready_grads``).
+(``prepare_grads``, ``grad_norm``, ``clip_grads``, ``propose_with_ready_grads``).
+
+A proposed step (for the KL controller) keeps two copies of the optimizer's *main* parameters,
+the fp32 values it updates (Megatron's fp32 masters of bf16 parameters, or the fp32 parameters
+themselves; this rank's shard under the distributed optimizer): before and after the step. A
+preview at scale ``s`` sets the mains to ``lerp(before, after, s)`` and publishes them to the
+model parameters as Megatron does after a step (copy, and the all-gather of the distributed
+optimizer); ``lerp`` is exact at ``s = 0`` and ``s = 1``. The masters are never read back from
+the (rounded) model parameters, so a controlled bf16 run keeps fp32 precision.
 """
 
 from typing import Dict, List
@@ -33,6 +41,7 @@ class DenseOptimizer:
     def __init__(self, megatron_optimizer, ddp_model):
         self.megatron = megatron_optimizer
         self.ddp_model = ddp_model
+        self._before = self._after = None  # the main parameters around a proposed step
 
     def _inner(self) -> List:
         """The underlying non-chained Megatron optimizers."""
@@ -51,7 +60,40 @@ class DenseOptimizer:
             group["lr"] = lr
 
     def step(self):
+        self._before = self._after = None
         return self.megatron.step()
+
+    def propose(self):
+        """Megatron's step, kept undoable (see the module docstring): returns ``(ok, grad_norm,
+        num_zeros)``; the update is visible until :meth:`preview` or :meth:`commit` changes it."""
+        before = self._copy_mains()
+        result = self.megatron.step()
+        if result[0]:
+            self._before, self._after = before, self._copy_mains()
+        return result
+
+    def preview(self, scale: float) -> None:
+        """The model parameters at ``before + scale * (after - before)`` (the mains too)."""
+        if self._before is None:
+            return
+        for main, before, after in zip(self._mains(), self._before, self._after):
+            torch.lerp(before, after, scale, out=main)
+        self._publish()
+
+    def commit(self, scale: float) -> None:
+        """Keep ``before + scale * (after - before)``; drop the copies."""
+        if self._before is None:
+            return
+        self.preview(scale)
+        self._before = self._after = None
+
+    def diagnostics(self) -> Dict[str, float]:
+        return {}
+
+    def extra_bytes(self) -> int:
+        """Bytes held for a proposed step (the before/after copies of the mains)."""
+        copies = (self._before or []) + (self._after or [])
+        return sum(t.numel() * t.element_size() for t in copies)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.megatron.zero_grad(set_to_none)
@@ -104,5 +146,36 @@ class DenseOptimizer:
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
 
-    def step_with_ready_grads(self) -> bool:
-        return self.megatron.step_with_ready_grads()
+    def propose_with_ready_grads(self) -> bool:
+        """:meth:`propose` after ``prepare_grads`` / ``grad_norm`` / ``clip_grads``."""
+        before = self._copy_mains()
+        success = self.megatron.step_with_ready_grads()
+        self._before, self._after = before, self._copy_mains()
+        return success
+
+    # --- main parameters --------------------------------------------------------------------------
+
+    def _mains(self) -> List[torch.Tensor]:
+        """The fp32 tensors the inner optimizers update, in a fixed order."""
+        mains = []
+        for inner in self._inner():
+            if isinstance(inner, DistributedOptimizer):
+                groups = inner.shard_fp32_from_float16_groups + inner.shard_fp32_groups
+            elif isinstance(inner, Float16OptimizerWithFloat16Params):
+                groups = inner.fp32_from_float16_groups + inner.fp32_from_fp32_groups
+            else:  # FP32Optimizer: the parameters themselves
+                groups = [group["params"] for group in inner.optimizer.param_groups]
+            mains.extend(p.data for group in groups for p in group)
+        return mains
+
+    def _copy_mains(self) -> List[torch.Tensor]:
+        return [main.detach().clone() for main in self._mains()]
+
+    def _publish(self) -> None:
+        """Mains -> model parameters, as Megatron does after its step."""
+        for inner in self._inner():
+            if isinstance(inner, (DistributedOptimizer, Float16OptimizerWithFloat16Params)):
+                inner._copy_main_params_to_model_params()
+            if isinstance(inner, DistributedOptimizer):
+                for chunk in inner.model_chunks:
+                    chunk.start_param_sync(force_sync=True)

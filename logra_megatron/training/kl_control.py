@@ -1,119 +1,156 @@
-"""Predicted-KL step control: forecast how far an update moves the policy, shrink it if too far.
+"""Predicted-KL step control: forecast how far an update moves the policy, scale it to a target.
 
-Around any training optimizer (LoGRA or dense Adam; training/optimizer.py), one controlled step is:
+Around any training optimizer (LoGRA or dense Adam; :mod:`logra_megatron.training.optimizer`),
+one controlled step is (docs/ALGORITHM.md, "KL control"):
 
-1. ``p_old``: vocab-parallel logits of the probe set (the response tokens of a few sequences of
-   the current batch) through the pipeline schedule, forward only.
-2. The optimizer computes and applies its proposed update ``D`` (moments advance once; they do
-   not depend on the step size). The weights before (``W``) and after (``W + D``) are kept.
-3. Forecast ``KL_pred = E_tokens KL(p_old || p_{W+D})``:
-   - ``probe``: one forward at ``W + D`` (the exact KL of the proposed update on the probe);
-   - ``linear``: a first-order forecast that never evaluates ``W + D``: the logit change along
-     ``D`` by a forward finite difference at ``W + eps D`` (``delta = (z(W + eps D) - z(W)) / eps``)
-     and ``KL ~ 0.5 Var_p(delta)`` per token, the second-order expansion of the KL. An
-     approximation: accurate for small steps, an under-estimate when the step leaves the
-     quadratic regime.
+1. ``optimizer.propose()`` computes the update ``D`` (moments advance once; they do not depend
+   on the step size) and commits nothing.
+2. Forecast ``KL_pred = E_tokens KL(p_W || p_{W+D})`` on a probe set (the response tokens of a
+   few sequences of the current batch), without a copy of the weights:
+   ``optimizer.preview(s)`` makes forward passes see ``W + s D`` (LoGRA: a side path of two
+   thin matmuls inside each sketching layer; the small dense remainder set in place from its
+   fp32 masters), and the probe rows go through the model one microbatch at a time, at
+   ``s = 0`` and at ``s``, so only one microbatch of logits per side is ever held.
+   - ``probe``: the exact KL at ``W + D``;
+   - ``linear``: ``0.5 Var_p(dz)`` per token, ``dz`` the change of the logits along ``D``
+     (a forward difference at ``eps D`` divided by ``eps``; a secant at ``D`` when the model
+     computes in bf16, where a small difference would round away). KL is then ``s^2`` times it.
    Full-vocabulary sums run on vocab-parallel logits with all-reduces over TP; the vocabulary
    is never gathered. The scalar is computed on the last pipeline stage, broadcast over the
    pipeline and averaged over data-parallel replicas, so every rank agrees.
-4. ``s = min(1, sqrt(kl_target / KL_pred))`` (KL is quadratic in the step near zero). Far from
-   zero the KL of a large step grows slower than quadratically (measured on ``tiny``: KL(D) was
-   0.10 where the quadratic extrapolation of small steps gave 0.72), so ``sqrt`` scaling alone
-   under-shrinks a step that overshoots by a lot. ``probe`` mode therefore re-forecasts at
-   ``s D`` and rescales ``s <- s sqrt(kl_target / KL(s D))`` while the forecast exceeds the
-   target by more than ``tolerance`` (at most ``max_refinements`` extra probes). The weights are
-   restored bitwise to ``W`` and ``W + s D`` is committed. The optimizer's master copies are
-   re-synced from the model (``reload_model_params``) so mixed-precision runs stay consistent.
-5. Every ``realized_interval`` steps the realized KL of the committed update is measured on the
-   same probe, so the forecast's calibration is visible.
+3. ``s = min(max_scale, sqrt(kl_target / KL_pred))`` (KL is quadratic in the step near zero;
+   ``--kl-max-scale`` > 1 lets a step that forecasts below the target grow). Far from zero KL
+   grows slower than quadratically (measured on ``tiny``: KL(D) was 0.10 where the quadratic
+   extrapolation of small steps gave 0.72), so ``probe`` mode re-forecasts at ``s D`` and
+   rescales with the locally measured growth exponent while the forecast misses the target by
+   more than ``tolerance`` (at most ``max_refinements`` extra forecasts).
+4. ``optimizer.commit(s)``. No master copy is ever read back from rounded model weights.
+5. Every ``realized_interval`` steps the KL of the committed step is measured on rows the probe
+   did not see (``held_out``; the probe rows when none are given), so the forecast's
+   calibration out of sample is visible (``kl_realized``).
 
-Cost: two copies of this rank's weights live during the step (``W`` and ``W + D``) and one or
-two forward passes over the probe set.
+Extra memory: what ``optimizer.extra_bytes()`` reports (LoGRA: fp32 copies of the dense
+remainder before and after its step; dense Adam: of all its masters) and the logits of one probe
+microbatch at two scales.
 """
 
 import math
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from logra_megatron import parallel
-from logra_megatron.ops.vocab_parallel import vocab_parallel_mean_half_variance, vocab_parallel_mean_kl
+from logra_megatron.ops.vocab_parallel import masked_half_variance_sum, masked_kl_sum
 from logra_megatron.training.config import KLControlConfig
 from logra_megatron.training.lm import forward_logits
 from logra_megatron.training.optimizer import TrainingOptimizer
 
+BF16_LINEAR_EPSILON = 1.0
+"""The linear forecast's step (a fraction of D) for models computing in bf16 or fp16."""
+
+
+@dataclass
+class ProbeSet:
+    """Rows on which a KL is measured: ``tokens`` ``[n, s]`` and ``mask`` ``[n, s]`` (1 where
+    position ``t``'s next-token distribution counts). Left-padded rows (rollouts) carry their
+    ``attention_mask`` and ``position_ids``; ``vocab_size`` masks Megatron's vocabulary
+    padding. ``micro_batch_size`` rows go through the model at a time."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    attention_mask: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+    vocab_size: Optional[int] = None
+    micro_batch_size: int = 1
+
+    def parts(self):
+        rows = self.tokens.shape[0]
+        return [slice(start, start + self.micro_batch_size) for start in range(0, rows, self.micro_batch_size)]
+
+    def logits(self, model, part: slice):
+        """Vocab-parallel logits of rows ``part`` on the last stage (None elsewhere)."""
+        padded = self.attention_mask is not None
+        return forward_logits(model, self.tokens[part], attention_mask=self.attention_mask[part] if padded else None,
+                              position_ids=self.position_ids[part] if padded else None,
+                              vocab_size=self.vocab_size)
+
+
 class PredictedKLController:
-    """Wraps ``optimizer.step()`` with the forecast-and-scale procedure described above."""
+    """Wraps an optimizer step with the forecast-and-scale procedure described above."""
 
     def __init__(self, config: KLControlConfig):
         self.config = config
         self.steps = 0
-        # Optional ``logits_fn(model) -> vocab-parallel logits`` for probes that need their own
-        # masks and positions (left-padded rollouts); default: a plain causal forward.
-        self.logits_fn = None
+        """Controlled steps taken (it decides the steps that measure the realized KL)."""
 
-    # --- building blocks (public for tests and the demo) -----------------------------------------
+    # --- forecasts (public for tests and the demo) ------------------------------------------------
 
-    @staticmethod
-    def parameters_of(model) -> List[torch.nn.Parameter]:
-        return [param for param in model.parameters()]
-
-    @staticmethod
     @torch.no_grad()
-    def set_weights(params, base, direction=None, scale: float = 1.0) -> None:
-        """``param <- base`` (bitwise) or ``param <- base + scale * direction``."""
-        for param, start, *rest in zip(params, base, *([direction] if direction is not None else [])):
-            if direction is None:
-                param.copy_(start)
-            else:
-                param.copy_(start + scale * rest[0])
-
-    def probe_logits(self, model, probe_tokens: torch.Tensor, micro_batch_size: Optional[int] = None):
-        if self.logits_fn is not None:
-            return self.logits_fn(model)
-        return forward_logits(model, probe_tokens, micro_batch_size)
-
-    def kl_between(self, old_logits, model, probe_tokens, probe_mask) -> float:
-        """Agreed mean KL(p_old || p_current) over the probe's masked tokens."""
-        value = 0.0
-        new_logits = self.probe_logits(model, probe_tokens)
-        if parallel.is_last_stage():
-            value = vocab_parallel_mean_kl(old_logits, new_logits, probe_mask)
-        return parallel.agree_on_scalar(value)
-
-    def forecast(self, model, old_logits, params, before, direction, probe_tokens, probe_mask,
-                 scale: float = 1.0) -> float:
-        """KL_pred of the update ``scale * direction`` from ``before``; leaves the weights at
-        ``before`` (bitwise)."""
-        if self.config.mode == "linear":
-            epsilon = self.config.linear_epsilon
-            self.set_weights(params, before, direction, epsilon * scale)
-            logits = self.probe_logits(model, probe_tokens)
-            value = 0.0
+    def kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float) -> float:
+        """Agreed mean ``KL(p_W || p_{W + scale D})`` over the probe's masked tokens, for the
+        proposed ``D``; leaves the optimizer previewing ``W``."""
+        total = 0.0
+        for part in probe.parts():
+            optimizer.preview(0.0)
+            old = probe.logits(model, part)
+            optimizer.preview(scale)
+            new = probe.logits(model, part)
             if parallel.is_last_stage():
-                delta = (logits.double() - old_logits.double()) / epsilon
-                value = vocab_parallel_mean_half_variance(old_logits, delta, probe_mask)
-            self.set_weights(params, before)
-            return parallel.agree_on_scalar(value)
-        self.set_weights(params, before, direction, scale)
-        value = self.kl_between(old_logits, model, probe_tokens, probe_mask)
-        self.set_weights(params, before)
-        return value
+                total += masked_kl_sum(old, new, probe.mask[part])
+        optimizer.preview(0.0)
+        return self._mean(total, probe)
 
-    def _refine(self, model, old_logits, params, before, direction, probe_tokens, probe_mask,
-                scale: float, kl_full: float) -> float:
-        """Re-forecast at the scaled step until it is within tolerance of the target. The local
-        growth exponent of KL in the step size (2 near zero, towards 1 for large steps) is
-        estimated from the last two forecasts, in log space, and used for the next scale."""
+    @torch.no_grad()
+    def linear_kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet) -> float:
+        """The linear forecast of ``KL(p_W || p_{W + D})``: ``0.5 Var_p(dz)`` per token."""
+        total = 0.0
+        for part in probe.parts():
+            optimizer.preview(0.0)
+            old = probe.logits(model, part)
+            epsilon = self.config.linear_epsilon
+            if old is not None and old.dtype in (torch.bfloat16, torch.float16):
+                epsilon = BF16_LINEAR_EPSILON
+            optimizer.preview(epsilon)
+            new = probe.logits(model, part)
+            if parallel.is_last_stage():
+                delta = (new.double() - old.double()) / epsilon
+                total += masked_half_variance_sum(old, delta, probe.mask[part])
+        optimizer.preview(0.0)
+        return self._mean(total, probe)
+
+    @staticmethod
+    def _mean(total: float, probe: ProbeSet) -> float:
+        count = float(probe.mask.sum().clamp(min=1))
+        return parallel.agree_on_scalar(total / count)
+
+    def forecast(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float = 1.0,
+                 linear_unit: Optional[float] = None) -> float:
+        """KL_pred of ``scale * D`` in the configured mode (``linear_unit``: a linear forecast of
+        the full step already computed)."""
+        if self.config.mode == "linear":
+            unit = self.linear_kl(model, optimizer, probe) if linear_unit is None else linear_unit
+            return scale**2 * unit
+        return self.kl(model, optimizer, probe, scale)
+
+    def _scale_for(self, kl: float) -> float:
+        if kl <= 0:
+            return self.config.max_scale
+        return min(self.config.max_scale, math.sqrt(self.config.target / kl))
+
+    def _refine(self, model, optimizer, probe, scale: float, kl_full: float) -> float:
+        """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
+        local growth exponent of KL in the step size (2 near zero, towards 1 for large steps)
+        is estimated from the last two forecasts, in log space, and used for the next scale."""
         config = self.config
         previous_scale, previous_kl = 1.0, kl_full
         for _ in range(config.max_refinements):
-            kl = self.forecast(model, old_logits, params, before, direction, probe_tokens, probe_mask, scale)
+            kl = self.kl(model, optimizer, probe, scale)
             if kl <= config.tolerance * config.target:
                 return scale
             exponent = 2.0
-            if kl > 0 and previous_kl > kl and previous_scale > scale:
+            if kl > 0 and previous_kl > 0 and previous_scale != scale and previous_kl != kl:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
                 exponent = min(2.0, max(1.0, exponent))
             previous_scale, previous_kl = scale, kl
@@ -123,43 +160,40 @@ class PredictedKLController:
     # --- the controlled step --------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, model, optimizer: TrainingOptimizer, probe_tokens: torch.Tensor, probe_mask: torch.Tensor,
-             logits_fn=None) -> dict:
+    def step(self, model, optimizer: TrainingOptimizer, probe: ProbeSet,
+             held_out: Optional[ProbeSet] = None) -> dict:
         """One optimizer step under control. ``model`` is the (DDP) model the optimizer trains;
-        ``probe_tokens`` ``[n, s]`` and ``probe_mask`` ``[n, s]`` (1 on response tokens whose
-        next-token distribution is compared) come from this rank's batch.
+        ``probe`` comes from this rank's batch; ``held_out`` (optional) are rows of the batch
+        the probe did not see, for the realized KL.
 
-        Returns ``success, grad_norm, kl_pred, step_scale, kl_realized, controller_time_s``.
+        Returns ``success, grad_norm, kl_pred, step_scale, kl_realized, controller_time_s,
+        controller_extra_bytes``.
         """
         config = self.config
-        self.logits_fn = logits_fn
         measure_realized = config.realized_interval > 0 and self.steps % config.realized_interval == 0
         self.steps += 1
         if config.mode == "off" and not measure_realized:
             success, grad_norm, _ = optimizer.step()
             return {"success": success, "grad_norm": grad_norm, "kl_pred": None, "step_scale": 1.0,
-                    "kl_realized": None, "controller_time_s": 0.0}
+                    "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
 
-        start = time.perf_counter()
-        old_logits = self.probe_logits(model, probe_tokens)
-        params = self.parameters_of(model)
-        before = [param.detach().clone() for param in params]
-        overhead = time.perf_counter() - start
-        success, grad_norm, _ = optimizer.step()
+        success, grad_norm, _ = optimizer.propose()
+        if not success:  # an inf/NaN gradient: nothing was proposed, nothing is committed
+            return {"success": False, "grad_norm": grad_norm, "kl_pred": None, "step_scale": 0.0,
+                    "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
         start = time.perf_counter()
         kl_pred, scale = None, 1.0
         if config.mode != "off":
-            direction = [param.detach() - base for param, base in zip(params, before)]
-            kl_pred = self.forecast(model, old_logits, params, before, direction, probe_tokens, probe_mask)
-            scale = 1.0 if kl_pred <= config.target else math.sqrt(config.target / kl_pred)
-            if config.mode == "probe" and scale < 1.0:
-                scale = self._refine(model, old_logits, params, before, direction, probe_tokens,
-                                     probe_mask, scale, kl_pred)
-            self.set_weights(params, before, direction, scale)
-            optimizer.reload_model_params()
+            linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
+            kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit)
+            scale = self._scale_for(kl_pred)
+            if config.mode == "probe" and scale != 1.0:
+                scale = self._refine(model, optimizer, probe, scale, kl_pred)
         kl_realized = None
         if measure_realized:
-            kl_realized = self.kl_between(old_logits, model, probe_tokens, probe_mask)
-        overhead += time.perf_counter() - start
+            kl_realized = self.kl(model, optimizer, held_out if held_out is not None else probe, scale)
+        extra = optimizer.extra_bytes()
+        overhead = time.perf_counter() - start
+        optimizer.commit(scale)
         return {"success": success, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": scale,
-                "kl_realized": kl_realized, "controller_time_s": overhead}
+                "kl_realized": kl_realized, "controller_time_s": overhead, "controller_extra_bytes": extra}

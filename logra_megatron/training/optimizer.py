@@ -42,7 +42,14 @@ class TrainingOptimizer(Protocol):
       for ``dist_checkpointing``; ``load_state_dict(state)`` restores from what
       ``dist_checkpointing.load`` returned for it.
     - ``reload_model_params()``: re-sync master copies from the model's weights after they were
-      set from outside (the KL controller's scaled step).
+      loaded from a checkpoint without optimizer state.
+    - A step in three parts, for the KL controller (``step()`` is ``propose()`` then
+      ``commit(1.0)``): ``propose()`` computes the update ``D`` (returns like ``step``) and
+      commits nothing that cannot be undone; ``preview(scale)`` makes forward passes see
+      ``W + scale * D`` (``scale = 0``: ``W``) without losing precision of any master copy;
+      ``commit(scale)`` applies ``scale * D``. ``extra_bytes()`` is what a proposed step holds
+      beyond the optimizer's state (copies kept to preview and undo).
+    - ``diagnostics()``: extra scalars of the last step (e.g. LoGRA's two gradient norms).
     """
 
     @property
@@ -63,6 +70,16 @@ class TrainingOptimizer(Protocol):
     def load_state_dict(self, state) -> None: ...
 
     def reload_model_params(self) -> None: ...
+
+    def propose(self) -> Tuple[bool, Optional[float], Optional[int]]: ...
+
+    def preview(self, scale: float) -> None: ...
+
+    def commit(self, scale: float) -> None: ...
+
+    def extra_bytes(self) -> int: ...
+
+    def diagnostics(self) -> Dict[str, float]: ...
 
 
 Builder = Callable[[OptimizerSettings, object, object, Optional[LogRAConfig]], TrainingOptimizer]

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig
 
 from logra_megatron.logra import LogRAConfig, logra_layer_spec
+from logra_megatron.logra.embeddings import sketch_embeddings
 from logra_megatron.models import ModelConfig, build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.weights import initialize_layout_independent
 from logra_megatron.training.config import OptimizerSettings
@@ -33,6 +34,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     spec = logra_layer_spec() if settings.kind == "logra" else gpt_layer_spec(use_transformer_engine=False)
     model = build_gpt_model(model_config, config, spec)
     initialize_layout_independent(model, model_config.vocab, seed)
+    if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:
+        sketch_embeddings(model, model_config.vocab)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=settings.distributed)

@@ -10,7 +10,7 @@ from common import Checks
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.training.config import KLControlConfig
-from logra_megatron.training.kl_control import PredictedKLController
+from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state
 from logra_megatron.training.lm import lm_forward_backward
@@ -36,7 +36,7 @@ def main():
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             lm_forward_backward(ddp, batch, micro_batch_size=1)
-            metrics = controller.step(ddp, optimizer, batch[:1], torch.ones(1, batch.shape[1]))
+            metrics = controller.step(ddp, optimizer, ProbeSet(batch[:1], torch.ones(1, batch.shape[1])))
             scales.append(metrics["step_scale"])
             predicted.append(metrics["kl_pred"])
         everyone = [None] * dist.get_world_size()
