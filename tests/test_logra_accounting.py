@@ -55,17 +55,29 @@ def test_logra_state_is_smaller_and_shrinks_with_rank():
 def test_benchmark_prints_one_json_object_with_both_sides():
     proc = subprocess.run(
         [sys.executable, "tools/benchmark_optimizer.py", "--preset", "tiny", "--logra-rank", "8",
-         "--steps", "2", "--seq-length", "16", "--json"],
+         "--steps", "2", "--seq-length", "16", "--bf16", "--kl-control", "probe", "--logra-embeddings",
+         "--json"],
         capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["preset"] == "tiny" and report["rank"] == "8"
+    assert report["preset"] == "tiny" and report["rank"] == "8" and report["bf16"] is True
+    components = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "moment_bytes",
+                  "projection_bytes", "controller_extra_bytes")
     for side in ("dense", "logra"):
-        assert set(report[side]) == {"grad_bytes", "optimizer_state_bytes", "peak_rss_bytes",
-                                     "step_time_s", "dp_comm_bytes_per_step", "final_loss"}
-        assert report[side]["peak_rss_bytes"] > 10_000_000
-    assert report["ratio"]["grad_bytes"] < 0.5
-    assert report["ratio"]["optimizer_state_bytes"] < 0.5
+        assert set(report[side]) == set(components) | {
+            "training_state_bytes", "peak_step_bytes", "peak_rss_bytes", "step_time_s",
+            "dp_comm_bytes_per_step", "final_loss"}
+        assert report[side]["training_state_bytes"] == sum(report[side][key] for key in components)
+        assert report[side]["peak_step_bytes"] > 0 and report[side]["peak_rss_bytes"] > 10_000_000
+    dense, logra = report["dense"], report["logra"]
+    # The dense baseline in bf16: weights 2 + grads 4 + masters 4 + moments 8 bytes per parameter.
+    params = dense["weight_bytes"] // 2
+    assert dense["grad_bytes"] == dense["master_bytes"] == 4 * params
+    assert dense["sketch_bytes"] == dense["controller_extra_bytes"] == 0
+    assert logra["sketch_bytes"] > 0 and 0 < logra["controller_extra_bytes"] < 0.02 * logra["weight_bytes"]
+    assert logra["weight_bytes"] == dense["weight_bytes"]
+    assert report["ratio"]["training_state_bytes"] < 0.7
+    assert report["ratio"]["moment_bytes"] < 0.5
     assert report["ratio"]["dp_comm_bytes_per_step"] < 0.5
 
 

@@ -1,13 +1,22 @@
-"""Megatron dense Adam vs LoGRA on the same model, data and seed, in one run.
+"""Megatron dense Adam vs LoGRA on the same model, data and seed, in one run: memory measured.
 
     python tools/benchmark_optimizer.py --preset tiny --logra-rank 16 --steps 5 --json
+    python tools/benchmark_optimizer.py --preset smollm2-135m --logra-rank 64 --bf16 \\
+        --kl-control probe --logra-embeddings --logra-master fp32 --steps 3 --json
 
-Each optimizer runs in its own child process (so each peak RSS is that optimizer's alone);
-the parent prints a table, or with ``--json`` one JSON object:
-``{"preset", "rank", "dense": {...}, "logra": {...}, "ratio": {...}}`` where each side has
-``grad_bytes``, ``optimizer_state_bytes``, ``peak_rss_bytes`` (``torch.cuda.max_memory_allocated``
-on GPU), ``step_time_s`` (median), ``dp_comm_bytes_per_step`` and ``final_loss``; ``ratio`` is
-logra / dense of each.
+Each optimizer runs in its own child process. The dense side is plain Megatron Adam (with
+``--bf16``: bf16 weights, fp32 grads, fp32 masters, Adam moments: 18 bytes/param); the LoGRA
+flags and ``--kl-control`` apply to the LoGRA side (its controller's extra memory is counted).
+Measured on each side after the last step, from the live tensors (each storage counted once):
+``weight_bytes``, ``master_bytes``, ``grad_bytes`` (dense grad buffers), ``sketch_bytes``
+(sketches and norm probes), ``moment_bytes`` (optimizer state), ``projection_bytes``,
+``controller_extra_bytes`` (what the KL controller held during the step), their sum
+``training_state_bytes``; ``peak_step_bytes``, the peak of tracked tensor allocations during the
+last step beyond what was live before it (activations, temporaries; ``torch.cuda``'s peak on a
+GPU); ``peak_rss_bytes`` (process RSS, an extra figure), ``step_time_s`` (median, untracked
+steps), ``dp_comm_bytes_per_step`` (planned) and ``final_loss``. The parent prints a table, or
+with ``--json`` one object ``{"preset", "rank", ..., "dense", "logra", "ratio"}`` where
+``ratio`` is logra / dense of each figure.
 """
 
 import json
@@ -23,9 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
+from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, parse_rank  # noqa: E402
+from logra_megatron.models.config import get_preset  # noqa: E402
+from logra_megatron.training.config import KL_MODES  # noqa: E402
 
-METRICS = ("grad_bytes", "optimizer_state_bytes", "peak_rss_bytes", "step_time_s",
-           "dp_comm_bytes_per_step", "final_loss")
+COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "moment_bytes",
+              "projection_bytes", "controller_extra_bytes")
+METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_bytes", "step_time_s",
+                        "dp_comm_bytes_per_step", "final_loss")
 
 
 def parse_args(argv):
@@ -33,6 +47,12 @@ def parse_args(argv):
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--logra-rank", default="0.25", help="integer rank or fraction (default 0.25)")
     parser.add_argument("--logra-refresh-interval", type=int, default=10)
+    parser.add_argument("--logra-master", choices=MASTER_MODES, default="fp32")
+    parser.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights (both sides)")
+    parser.add_argument("--kl-control", choices=KL_MODES, default="off", help="KL control on the LoGRA side")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="Megatron's distributed optimizer and LoGRA's ZeRO-1 mode on both sides")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=4)
@@ -55,17 +75,40 @@ def argparse_hidden():
 
 def validate(args):
     """Fail fast, in the parent, on bad input."""
-    from logra_megatron.logra import LogRAConfig, parse_rank
-    from logra_megatron.models import get_preset
-
     model = get_preset(args.preset)
-    logra = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval)
+    logra = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval,
+                        master=args.logra_master, embeddings=args.logra_embeddings,
+                        zero1=args.use_distributed_optimizer, seed=args.seed)
     logra.check_model(model)
+    if args.logra_master == "bf16-sr" and not args.bf16:
+        raise UserError("--logra-master bf16-sr needs --bf16")
     if args.global_batch_size % args.micro_batch_size:
         raise UserError("--global-batch-size must be a multiple of --micro-batch-size")
     if args.seq_length + 1 > model.max_seq:
         raise UserError(f"--seq-length exceeds the model's max_seq {model.max_seq}")
     return model, logra
+
+
+def measure_components(model, ddp, optimizer, controller_extra: int) -> dict:
+    """Bytes of the live tensors of each component (storages counted once across components)."""
+    from logra_megatron.platform.memory import tensor_bytes
+
+    seen = set()
+    state = optimizer.state_bytes()
+    weights = tensor_bytes(model.parameters(), seen)
+    sketches = 0
+    if hasattr(optimizer, "sketch_buffer"):  # LoGRA: the sketch buffer and the norm probes' samples
+        probes = optimizer.norm_estimator.flat if optimizer.norm_estimator is not None else None
+        sketches = tensor_bytes([optimizer.sketch_buffer.flat, probes], seen)
+    return {
+        "weight_bytes": weights,
+        "master_bytes": state["master_weight_bytes"],
+        "grad_bytes": state["grad_bytes"] - sketches,
+        "sketch_bytes": sketches,
+        "moment_bytes": state["optimizer_state_bytes"],
+        "projection_bytes": state["projection_bytes"],
+        "controller_extra_bytes": controller_extra,
+    }
 
 
 def run_child(args) -> dict:
@@ -74,34 +117,55 @@ def run_child(args) -> dict:
     from logra_megatron import parallel
     from logra_megatron.logra.accounting import state_bytes
     from logra_megatron.platform import cuda_available
+    from logra_megatron.platform.memory import AllocationTracker
+    from logra_megatron.training.config import KLControlConfig, OptimizerSettings
+    from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.config import OptimizerSettings
-    from logra_megatron.training.setup import build_trainable, train_step
+    from logra_megatron.training.setup import build_trainable
 
     model_config, logra_config = validate(args)
     parallel.initialize(1, 1, seed=args.seed)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     model, ddp, optimizer = build_trainable(
-        model_config, OptimizerSettings(kind=args.child, lr=args.lr, clip_grad=1.0), logra_config)
+        model_config, OptimizerSettings(kind=args.child, lr=args.lr, clip_grad=1.0,
+                                        distributed=args.use_distributed_optimizer),
+        logra_config, dtype=dtype, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
                            generator=generator)
+    per = args.global_batch_size // parallel.dp_size()
+    mine = tokens[parallel.dp_rank() * per:(parallel.dp_rank() + 1) * per]
+    mode = args.kl_control if args.child == "logra" else "off"
+    controller = PredictedKLController(KLControlConfig(mode=mode, realized_interval=0))
+    probe_rows = mine[:min(2, len(mine))]
+    probe = ProbeSet(probe_rows, torch.ones_like(probe_rows, dtype=torch.float), micro_batch_size=1)
+
+    def step():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = lm_forward_backward(ddp, mine, args.micro_batch_size)
+        return loss, controller.step(ddp, optimizer, probe)
+
     times, loss = [], None
-    for step in range(args.steps + 1):
+    for index in range(args.steps):
         start = time.perf_counter()
-        loss, _ = train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, args.micro_batch_size))
-        if step > 0:  # the first step allocates Adam's state: a warm-up, not timed
+        loss, _ = step()
+        if index > 0:  # the first step allocates Adam's state: a warm-up, not timed
             times.append(time.perf_counter() - start)
-    measured = optimizer.state_bytes()  # what this rank actually allocated
+    with AllocationTracker() as tracked:  # one more step, tracked (the profiler slows it)
+        loss, control = step()
+    components = measure_components(model, ddp, optimizer, control["controller_extra_bytes"])
     planned = state_bytes(model, logra_config)["logra" if args.child == "logra" else "dense"]
     if cuda_available():
-        peak = torch.cuda.max_memory_allocated()
+        rss = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
-        "grad_bytes": measured["grad_bytes"],
-        "optimizer_state_bytes": measured["optimizer_state_bytes"] + measured["projection_bytes"],
-        "peak_rss_bytes": peak,
-        "step_time_s": statistics.median(times),
+        **components,
+        "training_state_bytes": sum(components.values()),
+        "peak_step_bytes": tracked.peak_bytes,
+        "peak_rss_bytes": rss,
+        "step_time_s": statistics.median(times) if times else tracked.seconds,
         "dp_comm_bytes_per_step": planned.dp_comm_bytes_per_step,
         "final_loss": loss,
     }
@@ -112,7 +176,7 @@ def run_parent(args) -> dict:
     results = {}
     for kind in ("adam", "logra"):
         if not args.json:
-            print(f"[benchmark] running {kind} ({args.steps} steps) ...", file=sys.stderr, flush=True)
+            print(f"[benchmark] running {kind} ({args.steps} steps + 1 tracked) ...", file=sys.stderr, flush=True)
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", kind],
             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
@@ -121,16 +185,21 @@ def run_parent(args) -> dict:
         results["dense" if kind == "adam" else "logra"] = json.loads(child.stdout.strip().splitlines()[-1])
     ratio = {key: (results["logra"][key] / results["dense"][key] if results["dense"][key] else None)
              for key in METRICS}
-    return {"preset": args.preset, "rank": args.logra_rank, "steps": args.steps,
-            "dense": results["dense"], "logra": results["logra"], "ratio": ratio}
+    settings = {"preset": args.preset, "rank": args.logra_rank, "steps": args.steps, "bf16": args.bf16,
+                "kl_control": args.kl_control, "logra_embeddings": args.logra_embeddings,
+                "logra_master": args.logra_master, "use_distributed_optimizer": args.use_distributed_optimizer}
+    return {**settings, "dense": results["dense"], "logra": results["logra"], "ratio": ratio}
 
 
 def print_table(report):
-    print(f"preset {report['preset']}  logra rank {report['rank']}  steps {report['steps']}")
+    print(f"preset {report['preset']}  logra rank {report['rank']}  steps {report['steps']}  "
+          f"{'bf16' if report['bf16'] else 'fp32'}  kl-control {report['kl_control']}  "
+          f"master {report['logra_master']}  embeddings {'sketched' if report['logra_embeddings'] else 'dense'}")
     print(f"{'metric':<26}{'dense adam':>16}{'logra':>16}{'logra/dense':>14}")
     for key in METRICS:
         dense, logra, ratio = report["dense"][key], report["logra"][key], report["ratio"][key]
-        print(f"{key:<26}{dense:>16.6g}{logra:>16.6g}{ratio:>14.3f}")
+        shown = "-" if ratio is None else f"{ratio:.3f}"
+        print(f"{key:<26}{dense:>16.6g}{logra:>16.6g}{shown:>14}")
 
 
 @exit_on_user_error

@@ -31,6 +31,7 @@ from logra_megatron.models.weights import global_indices
 from logra_megatron.ops.rounding import stochastic_round_to_bf16
 from logra_megatron.seeding import name_seed
 
+SR_BLOCK_DIVISOR = 8
 SEED_STREAM = 7_919
 """Offset of the rounding seeds' counter, apart from the projections' and test matrices'."""
 
@@ -86,8 +87,11 @@ class MasterWeights:
             self.masters[entry.name] = entry.weight[start:stop].detach().float().clone()
 
     def block_rows(self, entry) -> int:
-        """Rows per block: a block holds at most as many elements as the weight's sketch."""
-        return max(1, entry.numel // entry.weight.shape[1])
+        """Rows per block: a block holds at most as many elements as the weight's sketch (an
+        eighth of that with stochastic rounding, whose integer temporaries take 8 bytes per
+        element each), so a block's temporaries stay within a few sketches' bytes."""
+        elements = entry.numel // (SR_BLOCK_DIVISOR if self.mode == "bf16-sr" else 1)
+        return max(1, elements // entry.weight.shape[1])
 
     @torch.no_grad()
     def apply(self, update_full: torch.Tensor, step: float, weight_decay: float, step_count: int) -> None:

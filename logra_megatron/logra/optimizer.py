@@ -76,6 +76,9 @@ class DenseRemainder(Protocol):
     def propose_with_ready_grads(self) -> bool:
         """Step the dense parameters from the prepared gradients, undoably (see preview)."""
 
+    def step_with_ready_grads(self) -> bool:
+        """Step the dense parameters from the prepared gradients, for good."""
+
     def preview(self, scale: float) -> None:
         """The dense parameters at ``before + scale * (after - before)`` of the proposed step."""
 
@@ -184,17 +187,18 @@ class LogRAOptimizer:
     @torch.no_grad()
     def step(self):
         """Returns ``(success, grad_norm, num_zeros)`` like Megatron's optimizers."""
-        success, grad_norm, num_zeros = self.propose()
+        success, grad_norm, num_zeros = self.propose(undoable=False)
         if success:
             self.commit(1.0)
         return success, grad_norm, num_zeros
 
     @torch.no_grad()
-    def propose(self):
+    def propose(self, undoable: bool = True):
         """Steps 1-3 of the module docstring without touching a sketched weight: reduce, norm,
-        clip, the dense part's undoable step, the update rule's ``U``. Returns ``(success,
-        grad_norm, None)``; on an inf/NaN gradient (dense or sketched, agreed by every rank)
-        nothing advances and ``success`` is False."""
+        clip, the dense part's step (undoable, unless ``undoable=False``: then it is final and
+        no copies are kept), the update rule's ``U``. Returns ``(success, grad_norm, None)``;
+        on an inf/NaN gradient (dense or sketched, agreed by every rank) nothing advances and
+        ``success`` is False."""
         refresh = self.is_refresh_step()
         self.sketch_buffer.reduce_tied()
         if refresh:
@@ -215,7 +219,7 @@ class LogRAOptimizer:
             coefficient = clip / (grad_norm + 1e-6)
             if coefficient < 1.0:
                 grads.mul_(coefficient)
-        success = self.dense.propose_with_ready_grads()
+        success = self.dense.propose_with_ready_grads() if undoable else self.dense.step_with_ready_grads()
         lr, weight_decay = self.sketch_group["lr"], self.sketch_group["weight_decay"]
         update = self.sketch_buffer.full(self.update_rule.update(grads, lr, weight_decay, self.step_count + 1))
         if update is grads or update.data_ptr() == self.sketch_buffer.flat.data_ptr():

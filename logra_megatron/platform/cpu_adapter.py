@@ -27,13 +27,81 @@ def _is_cuda_device(device) -> bool:
     return False
 
 
-class _CudaDeviceToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA devices to the CPU in every torch call.
+_BF16_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+                  torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.nn.functional.linear}
 
-    Serves literal ``device="cuda"`` / ``device=torch.cuda.current_device()`` in factory calls
-    (pipeline_parallel/schedules.py ``total_num_tokens``, distributed/param_and_grad_buffer.py,
+
+def _to_fp32(value):
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+
+
+class _WidenedBf16Product(torch.autograd.Function):
+    """One bf16 matrix product computed in fp32 and rounded to bf16, saving only the bf16 inputs.
+
+    Autograd of a plain ``func(a.float(), b.float())`` would save the fp32 copies for backward
+    (a full fp32 copy of every weight and activation that enters a product), which would falsify
+    every bf16 memory measurement on the CPU. Here backward widens the saved bf16 inputs again
+    and differentiates the fp32 product: the gradients are those of the fp32 product, rounded to
+    the inputs' dtypes, at the cost of recomputing one product.
+    """
+
+    @staticmethod
+    def forward(ctx, func, arg_spec, kwargs, *tensors):
+        ctx.func, ctx.arg_spec, ctx.kwargs = func, arg_spec, kwargs
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return func(*_fill_args(arg_spec, [_to_fp32(t) for t in tensors]), **kwargs).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = ctx.saved_tensors
+        wide = [t.detach().float().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[3:])]
+        wanted = [w for w in wide if w.requires_grad]
+        grads = iter(())
+        if wanted:
+            with torch.enable_grad():
+                out = ctx.func(*_fill_args(ctx.arg_spec, wide), **ctx.kwargs)
+            grads = iter(torch.autograd.grad(out, wanted, grad_output.float()))
+        result = [next(grads).to(t.dtype) if w.requires_grad else None for t, w in zip(saved, wide)]
+        return (None, None, None, *result)
+
+
+def _fill_args(arg_spec, tensors):
+    tensors = iter(tensors)
+    return [next(tensors) if slot is _TENSOR_SLOT else slot for slot in arg_spec]
+
+
+_TENSOR_SLOT = object()
+
+
+def _widened_bf16_product(func, args, kwargs):
+    arg_spec = [_TENSOR_SLOT if isinstance(a, torch.Tensor) else a for a in args]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        with torch.no_grad():
+            return func(*_fill_args(arg_spec, [_to_fp32(t) for t in tensors]), **kwargs).to(torch.bfloat16)
+    return _WidenedBf16Product.apply(func, arg_spec, kwargs, *tensors)
+
+
+class _CudaDeviceToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call, and runs bf16 matrix products the
+    way a GPU's tensor cores do.
+
+    Devices: serves literal ``device="cuda"`` / ``device=torch.cuda.current_device()`` in factory
+    calls (pipeline_parallel/schedules.py ``total_num_tokens``, distributed/param_and_grad_buffer.py,
     optimizer/grad_scaler.py, pipeline_parallel/p2p_communication.py shape tensors,
     transformer/module.py, models/gpt/gpt_model.py) and ``tensor.to("cuda")``.
+
+    bf16 products: CPUs without AVX-512-BF16 have no fast bf16 GEMM (measured on this project's
+    machines, AVX2: a 2048x576x1536 product 49x slower in bf16 than in fp32, a tiny-model step
+    3.8x slower). A tensor core multiplies bf16 inputs exactly, accumulates in fp32 and rounds
+    the output to bf16; here the inputs are widened to fp32 (exact), multiplied, and the result
+    rounded to bf16: the same arithmetic, at fp32 speed, differentiable (the backward's products
+    run in fp32 too; only the bf16 inputs are saved, see ``_WidenedBf16Product``). Calls with
+    ``out=`` or tensor keyword arguments run unchanged. Everything else, weights and activations
+    included, stays in bf16. Serves the linear layers (tensor_parallel/layers.py and LoGRA's sketching linears, both
+    ``torch.matmul``) and attention (transformer/dot_product_attention.py, ``torch.baddbmm`` /
+    ``torch.bmm``).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -43,6 +111,11 @@ class _CudaDeviceToCpuMode(TorchFunctionMode):
                 kwargs = dict(kwargs, device="cpu")
         if args and func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        if func in _BF16_PRODUCTS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            if not kwargs or set(kwargs) <= {"bias"} and kwargs.get("bias") is None:
+                return _widened_bf16_product(func, args, {})
+            if set(kwargs) <= {"beta", "alpha"}:
+                return _widened_bf16_product(func, args, dict(kwargs))
         return func(*args, **(kwargs or {}))
 
 

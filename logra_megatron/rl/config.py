@@ -55,7 +55,8 @@ class ModelSourceConfig:
     tokenizer_type: Optional[str] = option(None, choices=SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES,
                                            help="with --tokenizer-model: a Megatron tokenizer type")
     tokenizer_model: Optional[str] = option(None, help="a SentencePiece .model file or a tokenizer.json (or its folder)")
-    bf16: bool = option(False, help="bf16 parameters (fp32 master weights for the dense optimizer)")
+    bf16: bool = option(False, help="bf16 parameters (fp32 master weights for the dense optimizer; "
+                                    "--logra-master decides those of sketched weights)")
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -178,6 +179,8 @@ class TrainConfig:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, seed=seed))
         if self.task.seed != seed:
             object.__setattr__(self, "task", dataclasses.replace(self.task, seed=seed))
+        if self.logra.master == "bf16-sr" and not self.model.bf16:
+            raise UserError("--logra-master bf16-sr rounds into bf16 weights: it needs --bf16")
         if self.logra.zero1 != self.optimizer.distributed:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, zero1=self.optimizer.distributed))
 

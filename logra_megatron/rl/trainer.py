@@ -237,6 +237,7 @@ def rl_step(run: Run, step: int) -> dict:
         "grad_norm": control["grad_norm"], **run.optimizer.diagnostics(), "kl_pred": control["kl_pred"],
         "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
         "controller_time_s": control["controller_time_s"],
+        "controller_extra_bytes": float(control["controller_extra_bytes"]),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
         "lr": run.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
         # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)

@@ -146,6 +146,10 @@ class DenseOptimizer:
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
 
+    def step_with_ready_grads(self) -> bool:
+        self._before = self._after = None
+        return self.megatron.step_with_ready_grads()
+
     def propose_with_ready_grads(self) -> bool:
         """:meth:`propose` after ``prepare_grads`` / ``grad_norm`` / ``clip_grads``."""
         before = self._copy_mains()

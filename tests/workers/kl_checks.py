@@ -1,5 +1,9 @@
 """Predicted-KL control across ranks (4 gloo ranks): at TP=2, PP=2 and DP=4 every rank applies
-the same step scale and data-parallel replicas hold bitwise-identical weights afterwards."""
+the same step scale and data-parallel replicas hold bitwise-identical weights afterwards; the
+copy-free forecast (side paths, no weight copy) equals the exact one (weights set to W + s D)
+at TP=1, TP=2 and PP=2, with sketched embeddings."""
+
+import dataclasses
 
 import hashlib
 
@@ -10,6 +14,7 @@ from common import Checks
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.training.config import KLControlConfig
+from logra_megatron.ops.vocab_parallel import masked_kl_sum
 from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state
@@ -50,6 +55,43 @@ def main():
     for tp, pp in ((2, 1), (1, 2), (1, 1)):
         for mode in ("probe", "linear"):
             checks.run(f"{mode}_tp{tp}_pp{pp}", run, tp, pp, mode)
+
+    def copy_free_vs_exact(tp, pp, scale=0.5):
+        parallel.initialize(tp, pp, seed=9)
+        logra = LogRAConfig(rank=16, refresh_interval=5, embeddings=True)
+        model, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2, weight_decay=0.1),
+                                                logra)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, tokens, micro_batch_size=2)
+        optimizer.propose()
+        probe = ProbeSet(tokens[:3], torch.ones(3, tokens.shape[1]), micro_batch_size=2)
+        controller = PredictedKLController(KLControlConfig(mode="probe", target=0.02))
+        copy_free = controller.kl(ddp, optimizer, probe, scale)
+        # Exact: the sketched weights set to W + s D in full, the dense remainder previewed.
+        old = [probe.logits(ddp, part) for part in probe.parts()]
+        proposal = optimizer.proposal
+        saved = [entry.weight.detach().clone() for entry in optimizer.weights]
+        with torch.no_grad():
+            for entry in optimizer.weights:
+                step = scale * proposal.lr
+                full = entry.sketch.update_from(entry.view(proposal.update))
+                entry.weight.mul_(1 - step * proposal.weight_decay).sub_(step * full)
+        optimizer.dense.preview(scale)  # the dense remainder only: no side paths
+        total = 0.0
+        for part, before in zip(probe.parts(), old):
+            after = probe.logits(ddp, part)
+            if parallel.is_last_stage():
+                total += masked_kl_sum(before, after, probe.mask[part])
+        optimizer.dense.preview(0.0)
+        with torch.no_grad():
+            for entry, weight in zip(optimizer.weights, saved):
+                entry.weight.copy_(weight)
+        exact = parallel.agree_on_scalar(total / float(probe.mask.sum()))
+        return {"copy_free": copy_free, "exact": exact, "rel_diff": abs(copy_free - exact) / exact}
+
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        checks.run(f"copy_free_tp{tp}_pp{pp}", copy_free_vs_exact, tp, pp)
     checks.save()
     parallel.destroy()
 
