@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# One node, N processes: bash launch/torchrun_single_node.sh NPROC MODULE [ARGS...]
+# One node, N processes: bash launch/torchrun_single_node.sh [--max-restarts K] NPROC MODULE [ARGS...]
 # e.g. bash launch/torchrun_single_node.sh 4 logra_megatron.smoke \
 #        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+# With --max-restarts K, torchrun restarts the whole job up to K times when a rank dies; the
+# trainer then resumes from the latest complete checkpoint under --save (or --load).
+# LOGRA_SKIP_SETUP=1 uses the active Python environment as it is.
 set -euo pipefail
+RESTARTS=()
+if [ "${1:-}" = "--max-restarts" ]; then
+    RESTARTS=(--max-restarts "$2"); shift 2
+fi
 if [ $# -lt 2 ]; then
-    echo "usage: $0 NPROC MODULE [ARGS...]" >&2
+    echo "usage: $0 [--max-restarts K] NPROC MODULE [ARGS...]" >&2
     exit 2
 fi
 NPROC="$1"; MODULE="$2"; shift 2
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/launch/setup_env.sh" ""
+if [ "${LOGRA_SKIP_SETUP:-0}" != "1" ]; then
+    source "$ROOT/launch/setup_env.sh" ""
+fi
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec torchrun --standalone --nproc-per-node "$NPROC" -m "$MODULE" "$@"
+exec torchrun --standalone "${RESTARTS[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "$@"

@@ -7,6 +7,7 @@ Optimizer and trainer state are added to the same sharded state dict by their ow
 
 import json
 import os
+import queue
 
 import torch.distributed as dist
 
@@ -47,6 +48,7 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
     from megatron.core import dist_checkpointing  # not at the top: the config schema reads model_config.json
 
     os.makedirs(directory, exist_ok=True)
+    _use_a_process_free_results_queue()
     if dist.is_initialized():
         dist.barrier()
     state = {"model": model.sharded_state_dict()}
@@ -56,6 +58,19 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
     save_model_config(model_config, directory)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _use_a_process_free_results_queue() -> None:
+    """Megatron's checkpoint file writer (dist_checkpointing/strategies/filesystem_async.py)
+    collects write results in a queue served by a ``multiprocessing.Manager``: a spawned server
+    process that outlives a trainer killed with SIGKILL (measured: orphaned, still holding the
+    trainer's stdout). Saving synchronously, the queue is only used inside this process (put,
+    then ``get_nowait``), so an in-process ``queue.Queue`` serves the same purpose. Megatron
+    creates the queue once per process and caches it in a module global: set it first."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_checkpoint(directory: str, model, extra_sharded: dict = None) -> dict:

@@ -10,6 +10,13 @@ class UserError(Exception):
     what to change. Entry points turn it into one line on stderr and exit code 2."""
 
 
+def one_line(message) -> str:
+    """``message`` as one line: a message that quotes a file name or a library's error can hold
+    line breaks, and the contract of an entry point is exactly one ``error:`` line."""
+    text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return text or "invalid input (no details)"
+
+
 def exit_on_user_error(main):
     """Decorate an entry point so that a :class:`UserError` prints ``error: <message>`` and exits
     with status 2 instead of raising a traceback."""
@@ -21,7 +28,7 @@ def exit_on_user_error(main):
         except UserError as error:
             # Under torchrun every rank finds the same error; one line is enough.
             if os.environ.get("RANK", "0") == "0":
-                print(f"error: {error}", file=sys.stderr, flush=True)
+                print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
             sys.exit(2)
 
     return wrapper

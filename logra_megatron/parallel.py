@@ -27,6 +27,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _restart_store(timeout):
+    """None (torchrun's own rendezvous), except in a job torchrun restarted (``--max-restarts``)
+    that shares its agent's store: there the first attempt's keys are still in the store, and a
+    gloo rank reads a dead peer's address from them (measured: "connectFullMesh failed ...
+    Connection refused" on every restart). A prefix per attempt keeps the attempts apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"logra_megatron/attempt_{attempt}", store)
+
+
 def init_distributed(timeout_minutes: int = 10) -> None:
     """Start torch.distributed from torchrun's environment, or as a 1-rank world.
 
@@ -37,7 +50,12 @@ def init_distributed(timeout_minutes: int = 10) -> None:
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend=default_backend(), timeout=timeout)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=default_backend(), timeout=timeout)
+        else:
+            dist.init_process_group(backend=default_backend(), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         return
     # A single process. The rendezvous address is passed explicitly rather than through
     # os.environ, so that child processes (tools, tests) do not inherit a port this one holds.

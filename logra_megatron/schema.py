@@ -15,6 +15,7 @@ Only the standard library is used here: this module sits at the bottom of the pa
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -63,12 +64,36 @@ def _base_type(annotation):
     return annotation
 
 
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A value of the right type that no option accepts (a float that is not finite). As an
+    ``ArgumentTypeError`` argparse reports its message on the flag; as a ``ValueError`` the
+    YAML reader reports it on the key."""
+
+
+def finite_float(text) -> float:
+    """A float option's value: any finite number (``nan``, ``inf`` and numbers beyond the float
+    range are refused, so no check downstream has to think about them)."""
+    try:
+        value = float(text)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not math.isfinite(value):
+        shown = str(text) if len(str(text)) <= 24 else str(text)[:21] + "..."
+        raise BadValue(f"must be a finite number, got {shown!r}")
+    return value
+
+
+finite_float.__name__ = "float"  # argparse: "invalid float value: 'abc'"
+
+
 def parser_of(item: dataclasses.Field) -> Callable[[str], Any]:
     spec = item.metadata[_KEY]
     if spec["parse"] is not None:
         return spec["parse"]
     kind = _base_type(item.type)
-    if kind in (int, float, str):
+    if kind is float:
+        return finite_float
+    if kind in (int, str):
         return kind
     raise TypeError(f"option {item.name} of type {item.type} needs parse=")
 
@@ -110,7 +135,7 @@ def values_for(namespace: argparse.Namespace, section: str, config_class) -> Dic
 
 def yaml_value(item: dataclasses.Field, value: Any) -> Any:
     """A YAML value for an option field, converted as its flag would be. Raises ValueError
-    with a short reason for a value of the wrong kind."""
+    (or the option's own parser's error) with a short reason for a value of the wrong kind."""
     spec = item.metadata[_KEY]
     kind = _base_type(item.type)
     if value is None:
@@ -124,9 +149,9 @@ def yaml_value(item: dataclasses.Field, value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("must not be a boolean")
     if spec["parse"] is not None:
-        result = spec["parse"](value if not isinstance(value, str) else value)
+        result = spec["parse"](value)
     elif kind is float and isinstance(value, (int, float)):
-        result = float(value)
+        result = finite_float(value)
     elif kind is int and isinstance(value, int):
         result = value
     elif kind is str and isinstance(value, (str, int, float)):

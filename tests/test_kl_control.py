@@ -136,3 +136,29 @@ def test_demo_prints_the_documented_json():
         assert set(report[mode]) >= {"kl_pred", "kl_realized", "step_scale"}
         assert all(value <= 1.2 * 0.02 for value in report["probe"]["kl_realized"])
     assert 0 < report["overhead_fraction"] < 1
+
+
+@pytest.mark.parametrize("kind", ["logra", "adam"])
+def test_a_non_finite_forecast_skips_the_step_and_the_next_one_commits(kind, monkeypatch):
+    """A NaN KL forecast: nothing is committed (weights, masters and the step counter stay),
+    the step reports failure; the next step, with a finite forecast, commits."""
+    parallel.initialize(1, 1, seed=1234)
+    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind=kind, lr=1e-2), LogRAConfig(rank=16))
+    controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
+    finite_kl = PredictedKLController.kl
+
+    def step(poisoned):
+        monkeypatch.setattr(PredictedKLController, "kl",
+                            (lambda *args: float("nan")) if poisoned else finite_kl)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, TOKENS, 4)
+        before = [p.detach().clone() for p in ddp.parameters()]
+        result = controller.step(ddp, optimizer, PROBE)
+        moved = max(float((p.detach() - b).abs().max()) for p, b in zip(ddp.parameters(), before))
+        return result, moved
+
+    skipped, moved = step(poisoned=True)
+    assert not skipped["success"] and skipped["step_scale"] == 0.0 and moved == 0.0
+    committed, moved = step(poisoned=False)
+    assert committed["success"] and moved > 0.0

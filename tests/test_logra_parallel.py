@@ -1,7 +1,8 @@
 """LoGRA at TP=2, PP=2, TP=2xPP=2, DP, ZeRO-1 and across a TP=2 -> TP=1 checkpoint equals the
 TP=1 run from the same initial weights (3 steps crossing a projection refresh); in bf16, DP
 replicas stay bit-identical under stochastic rounding and fp32 masters shard over DP and
-reshard through checkpoints. One 4-rank launch for all."""
+reshard through checkpoints; a NaN on one rank skips the step on every rank. One 4-rank launch
+for all."""
 
 import pytest
 from dist_harness import result, run_workers
@@ -63,8 +64,10 @@ def test_bf16_fp32_masters_shard_over_data_parallel(results):
     for rank in range(4):
         value = result(results, "bf16_fp32_master_zero1_vs_plain", rank)
         # ZeRO-1 reduces by reduce-scatter, the plain run by all-reduce: a few fp32 values differ
-        # in the last bit, and a few weights round to the neighbouring bf16 value.
-        assert value["weight_rel_err"] < 1e-4, value
+        # in the last bit, and a few weights round to the neighbouring bf16 value: no weight is
+        # more than one bf16 step from the unsharded run's, and overall they agree to ~1e-3.
+        assert value["max_bf16_steps"] <= 1.0, value
+        assert value["weight_rel_err"] < 5e-3, value
         assert value["sharded_master_bytes"] * 4 == pytest.approx(value["plain_master_bytes"], rel=0.05), value
 
 
@@ -89,3 +92,12 @@ def test_sketched_embeddings_match_tp1_at_tp2_and_pp2(results, check, vocab_weig
         for layout in ("tp2_pp1", "tp1_pp2", "tp2_pp2"):
             assert value[layout]["sketch_rel_err"] < TOLERANCE, (layout, value)
             assert value[layout]["weight_rel_err"] < TOLERANCE, (layout, value)
+
+
+@pytest.mark.parametrize("kind,where", [("logra", "sketch"), ("logra", "dense_grad"), ("adam", "dense_grad")])
+@pytest.mark.parametrize("layout", ["tp2_pp2", "tp1_pp1"])  # tp1_pp1 on 4 ranks: DP=4
+def test_a_nan_on_one_rank_skips_the_step_everywhere_and_the_next_runs(results, kind, where, layout):
+    for rank in range(4):
+        skipped, next_step = result(results, f"nan_{kind}_{where}_{layout}", rank)
+        assert not skipped["success"] and skipped["moved"] == 0.0 and skipped["finite"], (rank, skipped)
+        assert next_step["success"] and next_step["moved"] > 1e-4 and next_step["finite"], (rank, next_step)

@@ -64,6 +64,8 @@ class DenseRemainder(Protocol):
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
+    def grads_not_finite(self) -> bool: ...
+
     def prepare_grads(self) -> bool:
         """Copy/unscale the gradients for the step; True when they contain an inf or NaN."""
 
@@ -72,6 +74,8 @@ class DenseRemainder(Protocol):
 
     def clip_grads(self, max_norm: float, total_norm: float) -> None:
         """Scale the dense gradients by ``max_norm / total_norm`` when that is below 1."""
+
+    def discard(self) -> None: ...
 
     def propose_with_ready_grads(self) -> bool:
         """Step the dense parameters from the prepared gradients, undoably (see preview)."""
@@ -204,13 +208,16 @@ class LogRAOptimizer:
         if refresh:
             self.refresh.reduce_samples()
         grads = self.sketch_buffer.reduce()
-        found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads)
+        found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads) or self.dense.grads_not_finite()
         if found_inf:
             self.proposal = None
             return False, None, None
         dense_sq = self.dense.grad_norm() ** 2
         sketch_sq = self.sketch_buffer.squared_norm(grads)
         residual_sq = self.norm_estimator.residual_squared_norm() if self.norm_estimator else 0.0
+        if not math.isfinite(residual_sq):
+            self.proposal = None
+            return False, None, None
         grad_norm = math.sqrt(dense_sq + sketch_sq + residual_sq)
         self.last_norms = {"grad_norm": grad_norm, "grad_norm_sketch": math.sqrt(dense_sq + sketch_sq)}
         clip = self.config.clip_grad
@@ -255,6 +262,14 @@ class LogRAOptimizer:
             self.refresh.refresh(self.update_rule)
         self.proposal = None
         self.step_count += 1
+
+    def discard(self) -> None:
+        """Drop the proposed step: no weight, master or counter changes (the moments advanced by
+        this step's gradient stay, as they do in :meth:`commit`, whatever the scale)."""
+        for entry in self.sketch_buffer.weights:
+            entry.sketch.preview = None
+        self.dense.discard()
+        self.proposal = None
 
     def extra_bytes(self) -> int:
         """Bytes held only while a step is proposed: the dense part's copies (the low-rank

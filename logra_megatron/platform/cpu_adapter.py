@@ -5,7 +5,7 @@ megatron-core calls CUDA in a few hundred places (``torch.cuda.current_device()`
 RNG). Patching them one call site at a time is hopeless, so this module installs a small set of
 process-wide stand-ins, once, and only when no GPU is present (``setup_platform`` decides). Each
 patch below names the megatron-core 0.16 sites it serves. This is the only module in the project
-that patches Megatron or torch.
+that patches Megatron or torch for the CPU (checkpoint.py sets one cache of Megatron's file writer).
 """
 
 import contextlib

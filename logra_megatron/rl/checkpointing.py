@@ -1,40 +1,137 @@
-"""Trainer checkpoints: model, optimizer (LoGRA state and projections included) and trainer
-state (step = data position, warm-up done, accuracies so far) in one dist checkpoint, so a
-resumed run continues exactly (prompts and sampling seeds are functions of the step)."""
+"""Trainer checkpoints: what one iteration's directory holds, and how a run resumes from it.
+
+Each save writes ``<save>/iter_NNNNNNN`` (the layout, the atomic rename and the manifest check
+are in logra_megatron/checkpoint_layout.py) holding, in one ``dist_checkpointing`` save, the model
+and the optimizer (LoGRA sketches, moments, projections, masters and counters included), and in
+``trainer_state.json`` the trainer's state: the next step (the data position and every seed are
+functions of it), warm-up done, accuracies so far, the KL controller's counters, the skip
+counters, and the settings a resumed optimizer must share (``checkpoint``). The tokenizer a run
+started from (a converted checkpoint's ``tokenizer/``) is copied along, so a resume needs no flag.
+
+Loading checks those settings before reading any tensor and turns every unreadable file into one
+``error:`` line naming it; ``--no-load-optim`` takes the weights (and the trainer state) only, with
+fresh optimizer state: how a dense checkpoint's weights start a LoGRA run.
+"""
 
 import json
 import os
+import shutil
+from typing import Optional
 
 import torch.distributed as dist
 
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
+from logra_megatron.checkpoint_layout import atomic_write_text, partial_dir, publish, remove_partials
+from logra_megatron.errors import UserError
+from logra_megatron.faults import kill_point
 
 TRAINER_STATE_FILE = "trainer_state.json"
+TOKENIZER_DIR = "tokenizer"
+COMPATIBILITY_FLAGS = {"optimizer": "--optimizer", "logra_rank": "--logra-rank", "logra_master": "--logra-master",
+                       "logra_embeddings": "--logra-embeddings"}
+"""The optimizer settings whose state a resumed run reads; they must match the checkpoint's."""
+
+
+def optimizer_compatibility(config) -> dict:
+    """The settings of ``config`` (a TrainConfig) that shape the optimizer's saved state."""
+    settings = {"optimizer": config.optimizer.kind}
+    if config.optimizer.kind == "logra":
+        settings.update(logra_rank=config.logra.rank, logra_master=config.logra.master,
+                        logra_embeddings=config.logra.embeddings)
+    return settings
 
 
 def _optimizer_sharded(model, optimizer, is_loading=False):
     return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading)
 
 
-def save_training_state(directory, model, optimizer, model_config, state: dict) -> None:
-    save_checkpoint(directory, model, model_config,
-                    extra_sharded={"optimizer": _optimizer_sharded(model, optimizer)})
-    if dist.get_rank() == 0:
-        with open(os.path.join(directory, TRAINER_STATE_FILE), "w") as handle:
-            json.dump(state, handle)
+def save_training_state(root: str, model, optimizer, model_config, state: dict, compatibility: dict,
+                        keep: int = 0, tokenizer_dir: Optional[str] = None) -> None:
+    """Save iteration ``state["step"]`` under ``root`` (collective over all ranks)."""
+    first = dist.get_rank() == 0
+    if first:
+        os.makedirs(root, exist_ok=True)
+        remove_partials(root)
+    dist.barrier()
+    directory = partial_dir(root, state["step"])
+    kill_point("save:start")
+    save_checkpoint(directory, model, model_config, extra_sharded={"optimizer": _optimizer_sharded(model, optimizer)})
+    kill_point("save:tensors")
+    if first:
+        if tokenizer_dir and os.path.isdir(tokenizer_dir):
+            shutil.copytree(tokenizer_dir, os.path.join(directory, TOKENIZER_DIR))
+        atomic_write_text(os.path.join(directory, TRAINER_STATE_FILE),
+                          json.dumps(dict(state, checkpoint=compatibility), indent=1))
+        kill_point("save:state")
+        publish(root, state["step"], keep)
+        kill_point("save:published")
     dist.barrier()
 
 
-def load_training_state(directory, model, optimizer) -> dict:
-    """Resume a trainer checkpoint; a checkpoint without trainer state (e.g. one written by
-    tools/convert_hf_to_mcore.py) only provides the starting weights."""
+def load_training_state(directory: str, model, optimizer, compatibility: dict, load_optim: bool = True) -> dict:
+    """Restore ``directory`` (one iteration, or converted weights) into ``model`` and
+    ``optimizer``; returns the trainer state (empty for converted weights)."""
     path = os.path.join(directory, TRAINER_STATE_FILE)
-    if not os.path.isfile(path):
-        load_checkpoint(directory, model)
+    if not os.path.isfile(path):  # e.g. tools/convert_hf_to_mcore.py: starting weights only
+        _load(directory, model)
         optimizer.reload_model_params()  # the masters were copied from the fresh weights
-        return {"step": 0, "warmup_done": False, "summary": {}}
-    loaded = load_checkpoint(directory, model,
-                             extra_sharded={"optimizer": _optimizer_sharded(model, optimizer, True)})
-    optimizer.load_state_dict(loaded["optimizer"])
-    with open(path) as handle:
-        return json.load(handle)
+        return {}
+    state = read_trainer_state(path)
+    saved = state.pop("checkpoint", {})
+    if not load_optim:
+        _load(directory, model)
+        optimizer.reload_model_params()
+        return state
+    differ = [key for key, value in compatibility.items() if key in saved and saved[key] != value]
+    if saved.get("optimizer") != compatibility["optimizer"] and "optimizer" not in differ:
+        differ.insert(0, "optimizer")
+    if differ:
+        theirs = " ".join(f"{COMPATIBILITY_FLAGS[key]} {saved.get(key)}" for key in differ)
+        ours = " ".join(f"{COMPATIBILITY_FLAGS[key]} {compatibility.get(key)}" for key in differ)
+        raise UserError(f"checkpoint {directory} was written with {theirs}, this run has {ours}: resume with "
+                        "the checkpoint's settings, or add --no-load-optim to start from its weights with "
+                        "fresh optimizer state")
+    loaded = _load(directory, model, {"optimizer": _optimizer_sharded(model, optimizer, True)})
+    try:
+        optimizer.load_state_dict(loaded["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as error:
+        raise UserError(f"checkpoint {directory}: its optimizer state does not fit this optimizer "
+                        f"({type(error).__name__}: {_first_line(error)}); add --no-load-optim to load the "
+                        "weights only") from error
+    return state
+
+
+def read_trainer_state(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            state = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {path} ({_first_line(error)}): the checkpoint is damaged; load an "
+                        "earlier iteration with --ckpt-step") from error
+    if not isinstance(state, dict) or "step" not in state:
+        raise UserError(f"{path} is not a trainer state (no 'step'): load an earlier iteration with --ckpt-step")
+    return state
+
+
+def _load(directory: str, model, extra_sharded: Optional[dict] = None) -> dict:
+    """Megatron's loader, its failures (a truncated or foreign file, a tensor of another shape)
+    turned into one line naming the checkpoint."""
+    try:
+        return load_checkpoint(directory, model, extra_sharded=extra_sharded)
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        raise UserError(f"cannot load checkpoint {directory} ({type(error).__name__}: {_first_line(error)}); "
+                        "it is damaged or of another model: load an earlier iteration with --ckpt-step, "
+                        "or another directory") from error
+
+
+def _first_line(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)  # torch's CheckpointException: {rank: cause}
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(cause, BaseException):
+            return _first_line(cause)
+    text = str(error).strip().splitlines()
+    return (text[0] if text else "")[:300]

@@ -17,11 +17,14 @@ layout is checked against the world size, all before any process group starts.
 """
 
 import dataclasses
+import json
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from logra_megatron.checkpoint import load_model_config
+from logra_megatron.checkpoint import MODEL_CONFIG_FILE, load_model_config
+from logra_megatron.checkpoint_layout import select_checkpoint
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra.config import LogRAConfig
@@ -29,7 +32,7 @@ from logra_megatron.models import PRESETS, ModelConfig
 from logra_megatron.rl.advantages import AdvantageConfig
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.rewards import RewardConfig
-from logra_megatron.rl.tasks import ArithmeticTaskConfig
+from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
 from logra_megatron.rl.tokenizers import build_run_tokenizer
 from logra_megatron.rollout.engine import ROLLOUT_ENGINES
 from logra_megatron.rollout.types import SamplingConfig
@@ -38,11 +41,34 @@ from logra_megatron.tokenizer import HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES
 from logra_megatron.training.config import KLControlConfig, LRScheduleConfig, OptimizerSettings
 
 
+SEED_LIMIT = 2**32
+"""``--seed`` is below this: every RNG it seeds (Python, NumPy-style, torch, the sampling
+streams derived from it) accepts a 32-bit seed."""
+TASK_SUPPLY_CHECKED_UP_TO = 100_000
+"""resolve() counts the arithmetic problems on each side of the split exactly when there are at
+most this many (a few ms); above, the run asks for far fewer than exist."""
+
+
 def _at_least(config, minimum: int, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
         if value < minimum:
             raise UserError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
+def _check_output_directory(flag: str, path: Optional[str]) -> None:
+    """A directory the run creates or writes into: it may not exist yet, but no file may stand
+    where it or one of its parents has to be (found now, not when the run first saves)."""
+    if path is None:
+        return
+    if not path:
+        raise UserError(f"{flag} needs a directory (got an empty path)")
+    target = existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == target else f"is inside {existing}, which is a file"
+        raise UserError(f"{flag} {path} {where}; give a directory")
 
 
 @dataclass(frozen=True)
@@ -64,21 +90,36 @@ class ModelSourceConfig:
         if (self.tokenizer_type is None) != (self.tokenizer_model is None):
             raise UserError("--tokenizer-type and --tokenizer-model go together")
         if self.tokenizer_model is not None and not os.path.exists(self.tokenizer_model):
-            raise UserError(f"tokenizer model not found: {self.tokenizer_model}")
+            raise UserError(f"tokenizer model not found: {self.tokenizer_model!r} (--tokenizer-model)")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where the run saves and what it resumes from."""
 
-    load: Optional[str] = option(None, help="a checkpoint directory: resume a run, or start from converted weights")
-    save: Optional[str] = option(None, help="checkpoint directory to save to")
+    load: Optional[str] = option(None, help="a --save directory (resume from its latest complete iteration), "
+                                            "or one checkpoint, e.g. converted weights")
+    save: Optional[str] = option(None, help="checkpoint directory to save to (one iter_NNNNNNN per save)")
     save_interval: int = option(0, help="save every N RL iterations (0: only at the end, with --save)")
+    ckpt_step: Optional[int] = option(None, help="with --load: this iteration instead of the latest complete one")
+    keep_checkpoints: int = option(0, help="keep only the newest N iterations under --save (0: all)")
+    load_optim: bool = option(True, flag="--no-load-optim", negative=True,
+                              help="with --load: the weights (and trainer state) only, fresh optimizer state "
+                                   "(e.g. a dense run's checkpoint into a LoGRA run)")
 
     def __post_init__(self):
-        _at_least(self, 0, "save_interval")
-        if self.load is not None and not os.path.isdir(self.load):
-            raise UserError(f"checkpoint directory not found: {self.load}")
+        _at_least(self, 0, "save_interval", "keep_checkpoints")
+        if self.ckpt_step is not None:
+            _at_least(self, 0, "ckpt_step")
+            if self.load is None:
+                raise UserError("--ckpt-step needs --load")
+        # --load may name the --save directory before its first save (a job that restarts itself).
+        if self.load == "":
+            raise UserError("--load needs a checkpoint directory (got an empty path)")
+        if self.load is not None and not os.path.isdir(self.load) and self.load != self.save:
+            what = "it is a file" if os.path.isfile(self.load) else "no such directory"
+            raise UserError(f"--load: checkpoint directory not found: {self.load!r} ({what})")
+        _check_output_directory("--save", self.save)
 
 
 @dataclass(frozen=True)
@@ -139,10 +180,16 @@ class RunConfig:
     tensorboard_dir: Optional[str] = option(None, help="default: <output-dir>/tensorboard")
     log_interval: int = option(1, help="without the progress bar: one line every N steps")
     progress: bool = option(True, flag="--no-progress", negative=True, help="no progress bar (logs, CI)")
+    max_consecutive_skips: int = option(10, help="stop (saving with --save) after N steps in a row skipped for "
+                                                 "a non-finite loss, gradient or KL forecast (0: never)")
 
     def __post_init__(self):
         _at_least(self, 1, "train_iters", "micro_batch_size", "eval_prompts", "log_interval")
-        _at_least(self, 0, "exit_interval")
+        _at_least(self, 0, "exit_interval", "max_consecutive_skips", "seed")
+        if self.seed >= SEED_LIMIT:
+            raise UserError(f"--seed must be below 2**32 = {SEED_LIMIT}, got {self.seed}")
+        _check_output_directory("--output-dir", self.output_dir or None)
+        _check_output_directory("--tensorboard-dir", self.tensorboard_dir)
 
 
 @dataclass(frozen=True)
@@ -166,6 +213,9 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model_config: Optional[ModelConfig] = None
     """The resolved architecture (set by :func:`resolve`; None until then)."""
+    load_dir: Optional[str] = None
+    """The checkpoint directory ``--load`` resolves to (an ``iter_NNNNNNN`` or a single
+    checkpoint; set by :func:`resolve`; None: nothing to load)."""
 
     def __post_init__(self):
         # Checks that span sections. Seeds derive from --seed, so every component that draws
@@ -192,23 +242,143 @@ class TrainConfig:
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
-    if config.checkpoint.load is not None:
-        model = load_model_config(config.checkpoint.load)  # a checkpoint decides its own architecture
+    load_dir = _checkpoint_to_load(config.checkpoint)
+    if load_dir is not None:
+        model = _read_model_config(load_dir)  # a checkpoint decides its own architecture
     else:
         model = PRESETS[config.model.preset]
-    tokenizer = build_run_tokenizer(config.model, config.checkpoint.load)
-    if config.checkpoint.load is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
+    tokenizer = build_run_tokenizer(config.model, load_dir)
+    if load_dir is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
         model = model.with_changes(vocab=tokenizer.vocab_size)  # the embedded default: no unused rows
     if tokenizer.vocab_size > model.vocab:
         raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model.vocab}")
     if config.optimizer.kind == "logra":
         config.logra.check_model(model)
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    world_size = _world_size() if world_size is None else world_size
+    if world_size < 1:
+        raise UserError(f"the world size must be >= 1, got {world_size}")
     layout = ParallelLayout(config.parallel.tensor_model_parallel_size,
                             config.parallel.pipeline_model_parallel_size, world_size)
-    name = config.model.preset if config.checkpoint.load is None else config.checkpoint.load
+    name = config.model.preset if load_dir is None else load_dir
     layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab, name)
     if config.rollout.prompts_per_step % layout.data_parallel:
         raise UserError(f"--prompts-per-step {config.rollout.prompts_per_step} must be a multiple of the "
                         f"data-parallel size {layout.data_parallel}")
-    return dataclasses.replace(config, model_config=model)
+    _check_micro_batch(config, layout.data_parallel)
+    _check_task_supply(config)
+    _check_sequence_length(config, tokenizer, model, name)
+    return dataclasses.replace(config, model_config=model, load_dir=load_dir)
+
+
+def _world_size() -> int:
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"WORLD_SIZE must be a whole number of ranks (torchrun sets it), got {text!r}") from None
+
+
+def _read_model_config(directory: str) -> ModelConfig:
+    """``--load``'s architecture. A ``model_config.json`` that is not a JSON object, misses or
+    adds fields or gives one a value of the wrong type is a :class:`UserError` naming the file
+    and the field (not a JSON or type error from deep inside, nor a wrong value found only when
+    the model is built)."""
+    path = os.path.join(directory, MODEL_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return load_model_config(directory)  # says what is missing
+    try:
+        with open(path, "rb") as handle:
+            values = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
+        raise UserError(f"--load: {path} is not valid JSON ({str(error).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise UserError(f"--load: {path} must hold a JSON object of model fields, not {type(values).__name__}")
+    hints = typing.get_type_hints(ModelConfig)
+    for item in dataclasses.fields(ModelConfig):
+        if item.name not in values:
+            if item.default is dataclasses.MISSING:
+                raise UserError(f"--load: {path} misses the model field {item.name!r}")
+            continue
+        value, allowed = values[item.name], typing.get_args(hints[item.name]) or (hints[item.name],)
+        if isinstance(value, bool):
+            ok = bool in allowed
+        else:  # an int is a valid float (JSON writes 10000.0 as 10000 too)
+            ok = isinstance(value, allowed) or (float in allowed and isinstance(value, int))
+        if not ok:
+            names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in allowed)
+            raise UserError(f"--load: {path}: {item.name} must be {names}, got {value!r}")
+    try:
+        return load_model_config(directory)
+    except UserError as error:  # unknown fields, inconsistent sizes
+        raise UserError(f"--load: {path} is not a valid model config: {error}") from None
+
+
+def _check_micro_batch(config: TrainConfig, data_parallel: int) -> None:
+    """Each data-parallel replica trains on ``prompts / DP x group`` sequences a step (and the
+    supervised warm-up on as many); Megatron's schedule splits them into equal micro-batches."""
+    per_replica = config.rollout.prompts_per_step // data_parallel * config.advantages.group_size
+    micro = config.run.micro_batch_size
+    if micro < per_replica and per_replica % micro:
+        raise UserError(
+            f"--micro-batch-size {micro} must divide the {per_replica} sequences each data-parallel replica "
+            f"trains on per step (--prompts-per-step {config.rollout.prompts_per_step} / data-parallel size "
+            f"{data_parallel} x --group-size {config.advantages.group_size}), or be at least that many")
+
+
+def _check_task_supply(config: TrainConfig) -> None:
+    """The arithmetic task must have enough distinct problems on each side of its split for what
+    the run asks: ``--eval-prompts`` held-out ones, ``--prompts-per-step`` training ones a step
+    (x ``--group-size`` for the supervised warm-up). Found now, not after the model is built."""
+    task = config.task
+    needs = [("held-out", "--eval-prompts", config.run.eval_prompts),
+             ("training", "--prompts-per-step", config.rollout.prompts_per_step)]
+    if config.warmup.iters:
+        needs.append(("training", "--prompts-per-step x --group-size (the supervised warm-up's batch)",
+                      config.rollout.prompts_per_step * config.advantages.group_size))
+    if task.num_problems > TASK_SUPPLY_CHECKED_UP_TO:
+        have = {"held-out": task.num_problems, "training": task.num_problems}  # upper bounds
+    else:
+        tasks, prompts = ArithmeticTasks(task), set()
+        for a in range(task.min_operand, task.max_operand + 1):
+            for b in range(task.min_operand, task.max_operand + 1):
+                for op in task.operations:
+                    first, second = (b, a) if op == "-" and not task.allow_negative and a < b else (a, b)
+                    prompts.add(tasks.record(first, op, second)["prompt"])
+        held_out = sum(tasks.is_held_out(prompt) for prompt in prompts)
+        have = {"held-out": held_out, "training": len(prompts) - held_out}
+    for side, what, count in needs:
+        if count > have[side]:
+            raise UserError(
+                f"{what} asks for {count} distinct {side} problems, but the arithmetic task has only "
+                f"{have[side]} (--max-operand {task.max_operand}, --held-out-fraction "
+                f"{task.held_out_fraction}); ask for fewer or raise --max-operand")
+
+
+def _check_sequence_length(config: TrainConfig, tokenizer, model: ModelConfig, name: str) -> None:
+    """The longest prompt of the task plus ``--max-new-tokens`` must fit the model's sequence
+    length (the rollout engine's rule), checked on the widest problems."""
+    task = config.task
+    tasks = ArithmeticTasks(task)
+    extremes = (task.min_operand, task.max_operand)
+    longest = max(len(tokenizer.encode(tasks.record(a, op, b)["prompt"]))
+                  for a in extremes for b in extremes for op in task.operations)
+    new = config.sampling.max_new_tokens
+    if longest + new > model.max_seq:
+        raise UserError(
+            f"--max-new-tokens {new} + the longest prompt ({longest} tokens) exceeds the max sequence length "
+            f"{model.max_seq} of {name}; lower --max-new-tokens (or --max-operand)")
+
+
+def _checkpoint_to_load(checkpoint: CheckpointConfig) -> Optional[str]:
+    """The directory ``--load`` (``--ckpt-step``) means. A --load that is also the --save
+    directory and holds nothing yet starts the run from scratch (a job that restarts itself
+    passes both from the start); any other --load without a checkpoint is an error."""
+    if checkpoint.load is None:
+        return None
+    quiet = os.environ.get("RANK", "0") != "0"  # every rank resolves; the first one warns
+    chosen = select_checkpoint(checkpoint.load, checkpoint.ckpt_step, warn=(lambda message: None) if quiet else print)
+    if chosen is not None:
+        return chosen[1]
+    if checkpoint.load != checkpoint.save:
+        raise UserError(f"no checkpoint in {checkpoint.load} (no iter_NNNNNNN directory, no {MODEL_CONFIG_FILE})")
+    return None

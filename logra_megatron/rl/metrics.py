@@ -14,11 +14,27 @@ def _is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _read_rows(path: str) -> list:
+    """The complete rows of an existing ``metrics.jsonl`` (a line cut by a kill is dropped)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as handle:
+            for line in handle:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    break
+    return rows
+
+
 class MetricsLogger:
     """Writes nothing on other ranks; every method is safe to call everywhere."""
 
     def __init__(self, output_dir: str, tensorboard_dir: str, total: int, progress: bool = True,
-                 log_interval: int = 1):
+                 log_interval: int = 1, first_step: int = 0, warmup_done: bool = False):
+        """``first_step`` / ``warmup_done``: where a resumed run continues. ``metrics.jsonl`` is
+        rewritten to the rows before it (the warm-up's only if it is done), so rows a killed run
+        wrote after its last checkpoint do not repeat."""
         self.active = _is_logging_rank()
         self.total = total
         self.log_interval = max(1, log_interval)
@@ -29,7 +45,14 @@ class MetricsLogger:
         if not self.active:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        path = os.path.join(output_dir, "metrics.jsonl")
+        kept = [row for row in _read_rows(path)
+                if (row.get("phase") == "warmup" and warmup_done) or (row.get("phase") == "rl" and row.get("step", 0) < first_step)]
+        temporary = path + ".tmp"
+        with open(temporary, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in kept)
+        os.replace(temporary, path)
+        self.jsonl = open(path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter  # loads tensorboard (slow): only when logging
 
@@ -37,7 +60,8 @@ class MetricsLogger:
         except ImportError:  # tensorboard is a declared dependency; degrade to jsonl only
             self.writer = None
         if progress:
-            self.bar = tqdm(total=total, desc="GRPO", unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=first_step, desc="GRPO", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
 
     def info(self, message: str) -> None:
         if self.active:

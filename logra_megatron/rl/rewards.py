@@ -23,6 +23,14 @@ trainer. Registered here:
   the record's ``answer_pattern`` regex matched against the whole stripped completion when the
   record has one (the arithmetic task: a bare integer), otherwise an explicit final-answer
   marker at the end of the completion (see :func:`ends_with_marked_answer`).
+- ``code_tests``: 1.0 when the completion passes the record's unit tests, run in the sandbox
+  of :mod:`logra_megatron.rl.sandbox`, else 0.0. The program is the completion (preceded by the
+  prompt when ``metadata["include_prompt"]`` is true, as for HumanEval, whose completions
+  continue the prompt's function), then ``metadata["test"]``, then ``check(<entry_point>)`` when
+  ``metadata["entry_point"]`` is given (see :func:`code_tests_program`).
+
+Rewards that misbehave (raise, hang, kill their process) are contained by
+:class:`logra_megatron.rl.reward_runner.RewardRunner`, which the trainer calls them through.
 
 Final-answer extraction (:func:`extract_final_answer`) tries, in order, and takes the LAST
 occurrence of the first rule that matches: ``<answer>X</answer>``; ``\\boxed{X}`` (braces
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from logra_megatron.errors import UserError
+from logra_megatron.rl.sandbox import SandboxLimits, SandboxResult, run_program
 from logra_megatron.schema import option
 
 RewardFn = Callable[[dict, str], float]
@@ -84,9 +93,17 @@ class RewardConfig:
 
     name: str = option("exact_match", flag="--reward",
                        help="a registered reward: exact_match, math_verify, format, a reasoning-gym task name, ...")
+    timeout_s: float = option(30.0, flag="--reward-timeout",
+                              help="seconds one completion's reward may take; past it the reward scores 0 "
+                                   "and is counted (reward_timeouts)")
+    workers: int = option(1, flag="--reward-workers", help="processes that compute rewards in parallel")
 
     def __post_init__(self):
         get_reward(self.name)
+        if not self.timeout_s > 0:
+            raise UserError(f"--reward-timeout must be > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise UserError(f"--reward-workers must be >= 1, got {self.workers}")
 
 
 def weighted_reward(weights: dict) -> RewardFn:
@@ -282,3 +299,47 @@ def math_verify_reward(prompt_record: dict, completion_text: str) -> float:
     if not gold or not predicted:
         return 0.0
     return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+
+
+# --- code execution ----------------------------------------------------------------------------
+
+CODE_TEST_LIMITS = SandboxLimits()
+"""Limits of one ``code_tests`` run (10 s wall, 5 s CPU, 512 MiB: module sandbox)."""
+
+
+def code_tests_program(prompt_record: dict, completion_text: str) -> str:
+    """The program ``code_tests`` runs: ``[prompt +] completion``, the record's tests, the check call.
+
+    A HumanEval record: ``prompt`` is the function's signature and docstring, the completion its
+    body, and ``metadata`` holds ``test`` (``def check(candidate): assert candidate(2, 3) == 5
+    ...``), ``entry_point`` (``"add"``) and ``include_prompt=True``. An optional
+    ``metadata["stdin"]`` is the program's standard input.
+    """
+    metadata = prompt_record.get("metadata") or {}
+    test = metadata.get("test")
+    if not isinstance(test, str) or not test.strip():
+        raise UserError("code_tests reward: the prompt record has no metadata['test'] (the unit tests to run)")
+    entry_point = metadata.get("entry_point")
+    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        raise UserError(f"code_tests reward: metadata['entry_point'] must be a function name, got {entry_point!r}")
+    program = (str(prompt_record.get("prompt", "")) if metadata.get("include_prompt") else "") + completion_text
+    program += "\n\n" + test + "\n"
+    if entry_point:
+        program += f"\n\ncheck({entry_point})\n"
+    return program
+
+
+def run_code_tests(prompt_record: dict, completion_text: str,
+                   limits: SandboxLimits = CODE_TEST_LIMITS) -> SandboxResult:
+    """Run :func:`code_tests_program` in the sandbox; the result says why it failed, if it did."""
+    stdin = (prompt_record.get("metadata") or {}).get("stdin", "")
+    return run_program(code_tests_program(prompt_record, completion_text), stdin=stdin, limits=limits)
+
+
+@register_reward("code_tests")
+def code_tests_reward(prompt_record: dict, completion_text: str) -> float:
+    """1.0 when the completion passes the record's unit tests in the sandbox, else 0.0."""
+    return 1.0 if run_code_tests(prompt_record, completion_text).passed else 0.0
+
+
+# --- rewards that misbehave --------------------------------------------------------------------

@@ -13,6 +13,7 @@ docs/ARCHITECTURE.md walks through one RL step.
 """
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,13 +22,17 @@ from typing import Optional
 import torch
 
 from logra_megatron import parallel
+from logra_megatron.errors import UserError
+from logra_megatron.faults import kill_point, nan_point
 from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.rl.advantages import group_advantages
-from logra_megatron.rl.checkpointing import load_training_state, save_training_state
+from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state, optimizer_compatibility,
+                                             save_training_state)
 from logra_megatron.rl.config import TrainConfig, resolve
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.metrics import MetricsLogger
+from logra_megatron.rl.reward_runner import RewardRunner
 from logra_megatron.rl.rewards import get_reward
 from logra_megatron.rl.tasks import ArithmeticTasks
 from logra_megatron.rl.tokenizers import build_run_tokenizer
@@ -42,6 +47,8 @@ from logra_megatron.training.setup import build_trainable, train_step
 # resumed run draws what the uninterrupted one drew and replicas draw different samples.
 SAMPLING_SEED_PER_RUN = 1_000_003
 SAMPLING_SEED_PER_STEP = 1009
+SKIPPED_STEP = {"success": False, "grad_norm": None, "kl_pred": None, "step_scale": 0.0, "kl_realized": None,
+                "controller_time_s": 0.0, "controller_extra_bytes": 0}
 WARMUP_PROMPT_STREAM = 100_000
 """Warm-up batches are drawn as task steps ``WARMUP_PROMPT_STREAM + i``: a prompt stream apart
 from the RL steps' ``0 .. train_iters - 1``."""
@@ -57,6 +64,15 @@ class TrainerState:
     step: int = 0
     warmup_done: bool = False
     summary: dict = field(default_factory=dict)
+    controller: dict = field(default_factory=dict)
+    skipped_steps: int = 0
+    """RL steps skipped for a non-finite loss, gradient, sketch or KL forecast (nothing committed)."""
+    consecutive_skips: int = 0
+
+    @classmethod
+    def from_checkpoint(cls, state: dict) -> "TrainerState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in state.items() if key in known})
 
 
 @dataclass
@@ -72,7 +88,7 @@ class Run:
     engine: object
     controller: PredictedKLController
     logger: MetricsLogger
-    reward: object
+    reward: RewardRunner
     held_out: list
     state: TrainerState
     start_time: float
@@ -100,10 +116,13 @@ def train(config: TrainConfig) -> dict:
         run.reference = frozen_reference(run)
     saved_step = None
     for step in range(run.state.step, config.run.train_iters):
+        kill_point("rl:step")  # (fault-injection tests only)
         metrics = rl_step(run, step)
-        scheduler.step(1)
+        if not metrics["skipped"]:
+            scheduler.step(1)  # as Megatron: a skipped iteration does not advance the schedule
         run.logger.step(step, metrics)
         run.state.step = step + 1
+        count_skips(run, bool(metrics["skipped"]))
         if config.checkpoint.save and config.checkpoint.save_interval \
                 and run.state.step % config.checkpoint.save_interval == 0:
             save(run)
@@ -127,21 +146,28 @@ def build(config: TrainConfig) -> Run:
     start_time = time.perf_counter()
     parallel.initialize(config.parallel.tensor_model_parallel_size,
                         config.parallel.pipeline_model_parallel_size, seed=config.run.seed)
-    tokenizer = build_run_tokenizer(config.model, config.checkpoint.load)
+    tokenizer = build_run_tokenizer(config.model, config.load_dir)
     tasks = ArithmeticTasks(config.task)
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
                                             dtype=_dtype(config), seed=config.run.seed)
+    state = TrainerState()
+    if config.load_dir:
+        state = TrainerState.from_checkpoint(load_training_state(
+            config.load_dir, model, optimizer, optimizer_compatibility(config),
+            load_optim=config.checkpoint.load_optim))
+    controller = PredictedKLController(config.kl)
+    controller.load_state_dict(state.controller)
     output_dir = config.run.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     logger = MetricsLogger(output_dir, config.run.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
                            total=config.run.train_iters, progress=config.run.progress,
-                           log_interval=config.run.log_interval)
-    state = TrainerState()
-    if config.checkpoint.load:
-        state = TrainerState(**load_training_state(config.checkpoint.load, model, optimizer))
+                           log_interval=config.run.log_interval, first_step=state.step,
+                           warmup_done=state.warmup_done)
     return Run(config=config, tokenizer=tokenizer, tasks=tasks, model=model, ddp=ddp, optimizer=optimizer,
                engine=build_rollout_engine(config.rollout.engine, ddp),
-               controller=PredictedKLController(config.kl), logger=logger,
-               reward=get_reward(config.reward.name), held_out=tasks.held_out(config.run.eval_prompts),
+               controller=controller, logger=logger,
+               reward=RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s,
+                                   workers=config.reward.workers),
+               held_out=tasks.held_out(config.run.eval_prompts),
                state=state, start_time=start_time)
 
 
@@ -152,8 +178,8 @@ def evaluate(run: Run) -> float:
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=run.config.sampling.max_new_tokens,
                               eos_id=run.tokenizer.eos_id, pad_id=run.tokenizer.pad_id, vocab_size=run.vocab)
     rollouts = run.engine.generate([run.tokenizer.encode(r["prompt"]) for r in mine], sampling)
-    correct = sum(run.reward(record, run.tokenizer.decode(completion)) >= 1.0
-                  for record, completion in zip(mine, rollouts.completions()))
+    scores = run.reward.score_batch(mine, [run.tokenizer.decode(c) for c in rollouts.completions()])
+    correct = sum(score >= 1.0 for score in scores)
     return round(100.0 * parallel.agree_on_scalar(correct / max(1, len(mine))), 2)
 
 
@@ -193,7 +219,7 @@ def rl_scheduler(run: Run):
         run.optimizer, max_lr=config.optimizer.lr, min_lr=config.lr_schedule.min_lr,
         decay_steps=config.run.train_iters, decay_style=config.lr_schedule.lr_decay_style,
         warmup_steps=config.lr_schedule.lr_warmup_iters, weight_decay=config.optimizer.weight_decay)
-    scheduler.step(run.state.step)
+    scheduler.step(run.state.step - run.state.skipped_steps)
     return scheduler
 
 
@@ -208,7 +234,11 @@ def rl_step(run: Run, step: int) -> dict:
                         pad_id=tokenizer.pad_id, vocab_size=run.vocab, seed=seed)
     rollouts = run.engine.generate([tokenizer.encode(r["prompt"]) for r in records], sampling)
     texts = [tokenizer.decode(c) for c in rollouts.completions()]
-    rewards = torch.tensor([run.reward(records[i // group_size], text) for i, text in enumerate(texts)])
+    rewards = torch.tensor(run.reward.score_batch([records[i // group_size] for i in range(len(texts))], texts))
+    reward_failures = run.reward.take_failures()  # (evaluation's are counted with the next step)
+    if reward_failures["reward_failures"] and run.reward.recent_failures:
+        run.logger.info(f"step {step}: {int(reward_failures['reward_failures'])} reward(s) failed and scored 0; "
+                        f"last: {run.reward.recent_failures[-1]}")
     advantages = group_advantages(rewards, config.advantages)
 
     micro = min(config.run.micro_batch_size, rollouts.tokens.shape[0])
@@ -222,11 +252,16 @@ def rl_step(run: Run, step: int) -> dict:
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=temperature,
                                         vocab_size=run.vocab)
-    # The KL probe: completions spread over the batch's prompts, and rows it does not see for
-    # the realized KL out of sample.
-    probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
-    control = run.controller.step(ddp, run.optimizer, probe, held_out)
-    run.engine.sync_weights(ddp)
+    loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
+    if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
+        # The KL probe: completions spread over the batch's prompts, and rows it does not see
+        # for the realized KL out of sample.
+        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
+        control = run.controller.step(ddp, run.optimizer, probe, held_out)
+    else:  # a non-finite loss: no step (the gradients are cleared before the next backward)
+        control = dict(SKIPPED_STEP)
+    if control["success"]:
+        run.engine.sync_weights(ddp)
 
     elapsed = time.perf_counter() - step_start
     agree = parallel.agree_on_scalar
@@ -236,6 +271,8 @@ def rl_step(run: Run, step: int) -> dict:
         "accuracy": 100.0 * agree(float((rewards >= 1.0).float().mean())),
         "grad_norm": control["grad_norm"], **run.optimizer.diagnostics(), "kl_pred": control["kl_pred"],
         "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
+        **{key: agree(value) * parallel.dp_size() for key, value in reward_failures.items()},
+        "skipped": 0.0 if control["success"] else 1.0, "skipped_steps": float(run.state.skipped_steps + (not control["success"])),
         "controller_time_s": control["controller_time_s"],
         "controller_extra_bytes": float(control["controller_extra_bytes"]),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
@@ -244,6 +281,25 @@ def rl_step(run: Run, step: int) -> dict:
         "state_bytes": float(sum(run.optimizer.state_bytes().values())),
         **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
     }
+
+
+def count_skips(run: Run, skipped: bool) -> None:
+    """Count skipped steps; ``--max-consecutive-skips`` in a row stop the run, after saving the
+    last good state (a skipped step changed no weight)."""
+    state = run.state
+    state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
+    state.skipped_steps += int(skipped)
+    if skipped:
+        run.logger.info(f"step {state.step}: skipped (a non-finite loss, gradient, sketch or KL forecast); "
+                        f"{state.skipped_steps} skipped so far")
+    limit = run.config.run.max_consecutive_skips
+    if limit and state.consecutive_skips >= limit:
+        where = ""
+        if run.config.checkpoint.save:
+            save(run)
+            where = f"; the last good state is saved in {run.config.checkpoint.save} (resume with --load)"
+        raise UserError(f"stopping at step {state.step}: {state.consecutive_skips} consecutive steps were skipped "
+                        f"for non-finite values{where}; lower --lr or check the rewards and data")
 
 
 def should_exit(run: Run) -> bool:
@@ -257,8 +313,12 @@ def should_exit(run: Run) -> bool:
 
 
 def save(run: Run) -> None:
-    save_training_state(run.config.checkpoint.save, run.model, run.optimizer, run.config.model_config,
-                        vars(run.state))
+    config = run.config
+    run.state.controller = run.controller.state_dict()
+    save_training_state(config.checkpoint.save, run.model, run.optimizer, config.model_config,
+                        dataclasses.asdict(run.state), optimizer_compatibility(config),
+                        keep=config.checkpoint.keep_checkpoints,
+                        tokenizer_dir=os.path.join(config.load_dir, TOKENIZER_DIR) if config.load_dir else None)
 
 
 def write_summary(run: Run, finished: bool) -> dict:
@@ -274,6 +334,8 @@ def write_summary(run: Run, finished: bool) -> dict:
         "pipeline_model_parallel_size": parallel.pp_size(),
         "data_parallel_size": parallel.dp_size(),
     })
+    summary["reward_failures"] = dict(run.reward.failures)
+    run.reward.close()
     path = run.logger.finish(summary)
     return summary if path is None else dict(summary, summary_path=path)
 

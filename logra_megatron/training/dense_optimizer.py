@@ -17,6 +17,7 @@ the (rounded) model parameters, so a controlled bf16 run keeps fp32 precision.
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -60,17 +61,32 @@ class DenseOptimizer:
             group["lr"] = lr
 
     def step(self):
+        """Megatron's step, skipped (``(False, None, None)``, nothing changes) when a gradient is
+        inf or NaN: Megatron checks only under fp16 loss scaling, so the grad norm (agreed over
+        the model-parallel and, sharded, the data-parallel ranks) is checked here too."""
         self._before = self._after = None
-        return self.megatron.step()
+        grad_norm = self._checked_clipped_norm()
+        if grad_norm is None:
+            return False, None, None
+        return self.megatron.step_with_ready_grads(), grad_norm, None
 
     def propose(self):
-        """Megatron's step, kept undoable (see the module docstring): returns ``(ok, grad_norm,
+        """:meth:`step`, kept undoable (see the module docstring): returns ``(ok, grad_norm,
         num_zeros)``; the update is visible until :meth:`preview` or :meth:`commit` changes it."""
-        before = self._copy_mains()
-        result = self.megatron.step()
-        if result[0]:
-            self._before, self._after = before, self._copy_mains()
-        return result
+        self._before = self._after = None
+        grad_norm = self._checked_clipped_norm()
+        if grad_norm is None:
+            return False, None, None
+        return self.propose_with_ready_grads(), grad_norm, None
+
+    def _checked_clipped_norm(self):
+        if self.prepare_grads() or self.grads_not_finite():
+            return None
+        grad_norm = self.grad_norm()
+        clip = self._inner()[0].config.clip_grad
+        if clip > 0.0:
+            self.clip_grads(clip, grad_norm)
+        return grad_norm
 
     def preview(self, scale: float) -> None:
         """The model parameters at ``before + scale * (after - before)`` (the mains too)."""
@@ -85,6 +101,16 @@ class DenseOptimizer:
         if self._before is None:
             return
         self.preview(scale)
+        self._before = self._after = None
+
+    def discard(self) -> None:
+        """Drop a proposed step: the mains return to their copies from before it (copied, not
+        interpolated, so an inf or NaN in the proposal cannot leak in)."""
+        if self._before is None:
+            return
+        for main, before in zip(self._mains(), self._before):
+            main.copy_(before)
+        self._publish()
         self._before = self._after = None
 
     def diagnostics(self) -> Dict[str, float]:
@@ -136,6 +162,17 @@ class DenseOptimizer:
     def prepare_grads(self) -> bool:
         """True when the gradients contain an inf or NaN (the step must be skipped)."""
         return self.megatron.prepare_grads()
+
+    def grads_not_finite(self) -> bool:
+        """An inf or NaN in any main gradient on any rank (agreed by all of them). Megatron
+        checks only under fp16 loss scaling; its grad norm cannot stand in, because it counts a
+        tensor-parallel duplicate (a norm weight) on TP rank 0 only."""
+        local = any(not bool(torch.isfinite(param.grad).all())
+                    for inner in self._inner() for group in inner.optimizer.param_groups
+                    for param in group["params"] if param.grad is not None)
+        flag = torch.tensor([1.0 if local else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank steps together
+        return bool(flag.item() > 0)
 
     def grad_norm(self) -> float:
         return float(self.megatron.get_grad_norm() or 0.0)

@@ -85,6 +85,14 @@ class PredictedKLController:
         self.steps = 0
         """Controlled steps taken (it decides the steps that measure the realized KL)."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (rl/checkpointing.py): the step counter that decides which
+        steps measure the realized KL."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state.get("steps", 0))
+
     # --- forecasts (public for tests and the demo) ------------------------------------------------
 
     @torch.no_grad()
@@ -186,6 +194,12 @@ class PredictedKLController:
         if config.mode != "off":
             linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
             kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit)
+            if not math.isfinite(kl_pred):
+                # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
+                optimizer.discard()
+                return {"success": False, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": 0.0,
+                        "kl_realized": None, "controller_time_s": time.perf_counter() - start,
+                        "controller_extra_bytes": 0}
             scale = self._scale_for(kl_pred)
             if config.mode == "probe" and scale != 1.0:
                 scale = self._refine(model, optimizer, probe, scale, kl_pred)

@@ -47,7 +47,8 @@ class TrainingOptimizer(Protocol):
       ``commit(1.0)``): ``propose()`` computes the update ``D`` (returns like ``step``) and
       commits nothing that cannot be undone; ``preview(scale)`` makes forward passes see
       ``W + scale * D`` (``scale = 0``: ``W``) without losing precision of any master copy;
-      ``commit(scale)`` applies ``scale * D``. ``extra_bytes()`` is what a proposed step holds
+      ``commit(scale)`` applies ``scale * D``; ``discard()`` drops it, changing no weight.
+      ``extra_bytes()`` is what a proposed step holds
       beyond the optimizer's state (copies kept to preview and undo).
     - ``diagnostics()``: extra scalars of the last step (e.g. LoGRA's two gradient norms).
     """
@@ -76,6 +77,8 @@ class TrainingOptimizer(Protocol):
     def preview(self, scale: float) -> None: ...
 
     def commit(self, scale: float) -> None: ...
+
+    def discard(self) -> None: ...
 
     def extra_bytes(self) -> int: ...
 

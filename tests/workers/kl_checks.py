@@ -3,7 +3,6 @@ the same step scale and data-parallel replicas hold bitwise-identical weights af
 copy-free forecast (side paths, no weight copy) equals the exact one (weights set to W + s D)
 at TP=1, TP=2 and PP=2, with sketched embeddings."""
 
-import dataclasses
 
 import hashlib
 

@@ -198,9 +198,14 @@ def main():
         plain_state = {k: v.float() for k, v in full_state(plain).items()}
         plain_bytes = plain_opt.masters.state_bytes()
         sharded, sharded_opt = bf16("fp32", distributed=True)
-        error, worst = max_rel({k: v.float() for k, v in full_state(sharded).items()}, plain_state)
-        return {"weight_rel_err": error, "worst": worst, "sharded_master_bytes": sharded_opt.masters.state_bytes(),
-                "plain_master_bytes": plain_bytes}
+        sharded_state = {k: v.float() for k, v in full_state(sharded).items()}
+        error, worst = max_rel(sharded_state, plain_state)
+        # Distance in bf16 steps (the spacing of bf16 numbers at each element's magnitude).
+        ulps = max(float(((sharded_state[k] - plain_state[k]).abs()
+                          / torch.pow(2.0, torch.floor(torch.log2(plain_state[k].abs().clamp(min=1e-30))) - 7)).max())
+                   for k in plain_state)
+        return {"weight_rel_err": error, "worst": worst, "max_bf16_steps": ulps,
+                "sharded_master_bytes": sharded_opt.masters.state_bytes(), "plain_master_bytes": plain_bytes}
 
     checks.run("bf16_fp32_master_zero1_vs_plain", sharded_masters_equal_unsharded)
 
@@ -229,6 +234,37 @@ def main():
 
     checks.run("bf16_ckpt_save_tp2", bf16_save_then_continue)
     checks.run("bf16_ckpt_resume_tp1", bf16_resume_at_tp1)
+
+    # --- a NaN on one rank at one step: every rank skips it, the next step runs -------------------
+    def nan_step_skipped(kind, where, tp, pp):
+        parallel.initialize(tp, pp, seed=77)
+        optimizer_settings = dataclasses.replace(settings(), kind=kind)
+        model, ddp, optimizer = build_trainable(MODEL, optimizer_settings, LOGRA)
+        load_full_state(model, reference_initial)
+        poisoned_rank = dist.get_world_size() - 1
+        outcomes = []
+        for step in range(2):
+            hook = None
+            if step == 0 and dist.get_rank() == poisoned_rank and where == "dense_grad":
+                # Before Megatron's grad reduction, as a NaN from the backward would be.
+                param = next(p for p in model.parameters() if p.requires_grad)
+                hook = param.register_hook(lambda grad: grad * float("nan"))
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            lm_forward_backward(ddp, tokens, micro_batch_size=2)
+            if hook is not None:
+                hook.remove()
+            if step == 0 and dist.get_rank() == poisoned_rank and where == "sketch":
+                optimizer.weights[0].sketch.sketch.view(-1)[0] = float("nan")  # before the DP reduction
+            before = full_state(model)
+            success, grad_norm, _ = optimizer.step()
+            outcomes.append({"success": bool(success), "moved": max_rel(full_state(model), before)[0],
+                             "finite": all(bool(torch.isfinite(v).all()) for v in full_state(model).values())})
+        return outcomes
+
+    for kind, where in (("logra", "sketch"), ("logra", "dense_grad"), ("adam", "dense_grad")):
+        for tp, pp in ((2, 2), (1, 1)):
+            checks.run(f"nan_{kind}_{where}_tp{tp}_pp{pp}", nan_step_skipped, kind, where, tp, pp)
     checks.save()
     parallel.destroy()
 

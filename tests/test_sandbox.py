@@ -1,0 +1,354 @@
+"""Hostile programs in the code-reward sandbox: each is contained, scores 0 with a reason, and
+leaves the trainer (this test process), its files and the machine as they were.
+
+Every hostile program runs in three modes: the full sandbox (namespaces + audit hook), the
+kernel layers alone (namespaces, no hook: shows what holds against native code), and the hook
+alone (the fallback where namespaces are unavailable). After each run the test checks that the
+call returned within the wall limit plus a margin, that the temporary directory is gone, that no
+process of the run is left, that the trainer's files are unchanged, that the trainer received
+no signal and that a decoy process standing in for the trainer is alive.
+"""
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from logra_megatron.errors import UserError
+from logra_megatron.rl.sandbox import SandboxLimits, namespace_probe, namespaces_work, run_program
+
+LIMITS = SandboxLimits(wall_s=2.5, cpu_s=1.0, memory_bytes=256 << 20, max_processes=4,
+                       max_output_bytes=64 << 10, max_file_bytes=1 << 20, disk_bytes=8 << 20)
+RETURN_MARGIN_S = 2.0
+"""A run returns within ``wall_s`` plus this (kill, reap, cleanup; generous for a loaded machine)."""
+
+MODES = {
+    "namespaces+guard": dict(isolation="namespaces", audit_guard=True),
+    "namespaces-only": dict(isolation="namespaces", audit_guard=False),
+    "guard-only": dict(isolation="none", audit_guard=True),
+}
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    if MODES[request.param]["isolation"] == "namespaces" and not namespaces_work():
+        pytest.skip(f"namespaces unavailable here: {namespace_probe()}")
+    return MODES[request.param]
+
+
+def sandbox_processes() -> list:
+    """Pids of processes whose command line names a sandbox directory (launcher, program, forks)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if b"logra-sandbox-" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+class Trainer:
+    """What a hostile program might go after: files, this process, and a decoy process."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        directory.mkdir()
+        self.secret = f"TRAINER-SECRET-{uuid.uuid4().hex}"
+        (directory / "secret.txt").write_text(self.secret)
+        (directory / "checkpoint.bin").write_bytes(os.urandom(4096))
+        self.digests = self.snapshot()
+        self.signals = []
+        self.previous_handler = signal.signal(signal.SIGUSR1, lambda number, frame: self.signals.append(number))
+        self.decoy = subprocess.Popen(["sleep", "120"])
+        self.escape = f"logra-escape-{uuid.uuid4().hex}.txt"
+
+    def snapshot(self) -> dict:
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in self.directory.iterdir()}
+
+    def check_unharmed(self):
+        assert self.snapshot() == self.digests, "the trainer's files changed"
+        assert not self.signals, "the trainer received a signal"
+        assert self.decoy.poll() is None, "the decoy process was killed"
+        assert not os.path.exists(os.path.join("/tmp", self.escape)), "a file was written to the host's /tmp"
+
+    def close(self):
+        signal.signal(signal.SIGUSR1, self.previous_handler)
+        self.decoy.kill()
+        self.decoy.wait()
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    trainer = Trainer(tmp_path / "trainer")
+    yield trainer
+    trainer.close()
+
+
+def run_contained(source: str, trainer: Trainer, mode: dict, stdin: str = "", limits: SandboxLimits = LIMITS):
+    """Run a hostile program and check every containment promise; returns the result."""
+    assert not sandbox_processes(), "a sandbox process was left over by an earlier test"
+    started = time.monotonic()
+    result = run_program(source, stdin, limits, **mode)
+    elapsed = time.monotonic() - started
+    print(f"{mode}: {result.reason!r} in {elapsed:.2f}s")  # shown with -s: the measured outcome
+    assert not result.passed and result.reason and result.reason != "passed", result
+    assert elapsed < limits.wall_s + RETURN_MARGIN_S, f"returned after {elapsed:.1f}s: {result.reason}"
+    assert result.cleaned and not os.path.exists(result.workdir), "the sandbox directory is left"
+    assert not sandbox_processes(), "processes of the run are still alive"
+    trainer.check_unharmed()
+    return result
+
+
+# --- the hostile programs ------------------------------------------------------------------------
+
+def test_infinite_loop(trainer, mode):
+    result = run_contained("while True:\n    pass\n", trainer, mode)
+    assert result.reason in ("cpu time limit", "timeout"), result.reason
+
+
+def test_fork_bomb(trainer, mode):
+    # Bounded at 2**6 = 64 processes even if nothing stopped it, so a failure cannot hurt the machine.
+    bomb = ("import os, time\n"
+            "for generation in range(6):\n"
+            "    try:\n"
+            "        os.fork()\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "print('alive', flush=True)\n"
+            "time.sleep(60)\n")
+    most, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            most[0] = max(most[0], len(sandbox_processes()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = run_contained(bomb, trainer, mode)
+    finally:
+        stop.set()
+        watcher.join()
+    if mode["audit_guard"]:
+        assert result.reason == "process creation blocked"
+    else:
+        assert result.reason == "timeout"
+    assert result.stdout.count("alive") <= LIMITS.max_processes
+    assert most[0] <= LIMITS.max_processes + 1, f"{most[0]} sandbox processes at once"  # + the launcher
+
+
+def test_memory_blow_up(trainer, mode):
+    hog = "hog = []\nwhile True:\n    hog.append(bytearray(16 << 20))\n"
+    assert run_contained(hog, trainer, mode).reason == "memory limit"
+
+
+def test_writing_outside_its_directory(trainer, mode):
+    targets = [trainer.directory / "pwned.txt", trainer.directory / "secret.txt", f"/tmp/{trainer.escape}",
+               f"../../{trainer.escape}"]
+    program = ("failures = []\n"
+               f"for target in {[str(t) for t in targets]!r}:\n"
+               "    try:\n"
+               "        with open(target, 'a') as f:\n"
+               "            f.write('pwned')\n"
+               "    except OSError as error:\n"
+               "        failures.append(repr(error))\n"
+               "print(failures)\n"
+               "raise SystemExit(1 if failures else 0)\n")
+    result = run_contained(program, trainer, mode)
+    assert not (trainer.directory / "pwned.txt").exists()
+    if mode == MODES["guard-only"]:
+        assert result.reason == f"write outside sandbox: {trainer.directory / 'pwned.txt'}"
+    elif mode["audit_guard"]:  # /tmp is the sandbox there: the trainer's path does not exist, '../..' is '/'
+        assert result.reason == f"write outside sandbox: /{trainer.escape}"
+    else:
+        assert result.reason.startswith("exit status 1"), result.reason
+        assert "Read-only file system" in result.stdout and "No such file" in result.stdout
+
+
+def test_reading_the_trainers_files(trainer, mode):
+    program = (f"print(open({str(trainer.directory / 'secret.txt')!r}).read())\n"
+               f"print(open({os.path.abspath(__file__)!r}).read())\n")
+    result = run_contained(program, trainer, mode)
+    assert trainer.secret not in result.stdout + result.stderr
+    if mode == MODES["guard-only"]:
+        assert result.reason == f"read outside sandbox: {trainer.directory / 'secret.txt'}"
+    else:  # the trainer's files do not exist in the namespace's root
+        assert "FileNotFoundError" in result.reason
+
+
+def test_opening_a_socket(trainer, mode):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    try:
+        program = ("import socket\n"
+                   f"connection = socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)\n"
+                   "connection.sendall(b'leak')\n")
+        result = run_contained(program, trainer, mode)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
+    if mode["audit_guard"]:
+        assert result.reason == "network blocked"
+    else:
+        assert "unreachable" in result.reason, result.reason
+
+
+def test_killing_the_parent(trainer, mode):
+    program = ("import os, signal\n"
+               "failures = []\n"
+               f"for pid, number in (({os.getpid()}, signal.SIGUSR1), ({trainer.decoy.pid}, signal.SIGKILL),\n"
+               "                    (os.getppid(), signal.SIGKILL)):\n"
+               "    try:\n"
+               "        os.kill(pid, number)\n"
+               "    except OSError as error:\n"
+               "        failures.append(repr(error))\n"
+               "print(failures)\n"
+               "raise SystemExit(1 if failures else 0)\n")
+    result = run_contained(program, trainer, mode)
+    time.sleep(0.1)  # a signal that got through would have been handled by now
+    trainer.check_unharmed()
+    if mode["audit_guard"]:
+        assert result.reason == "signal to another process blocked"
+
+
+def test_deleting_files(trainer, mode):
+    program = ("import os, shutil\n"
+               "open('mine.txt', 'w').close()\n"
+               "os.remove('mine.txt')  # its own file: allowed\n"
+               f"os.remove({str(trainer.directory / 'secret.txt')!r})\n"
+               f"shutil.rmtree({str(trainer.directory)!r})\n")
+    result = run_contained(program, trainer, mode)
+    assert (trainer.directory / "secret.txt").read_text() == trainer.secret
+    if mode == MODES["guard-only"]:
+        assert result.reason == f"write outside sandbox: {trainer.directory / 'secret.txt'}"
+    else:  # the trainer's files do not exist in the namespace's root
+        assert "FileNotFoundError" in result.reason
+
+
+def test_huge_output(trainer, mode):
+    program = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    result = run_contained(program, trainer, mode)
+    assert result.reason == "output limit"
+    assert len(result.stdout) + len(result.stderr) <= LIMITS.max_output_bytes
+
+
+def test_never_reading_stdin(trainer, mode):
+    program = "import time\ntime.sleep(60)\n"
+    result = run_contained(program, trainer, mode, stdin="x" * (4 << 20))  # far more than a pipe holds
+    assert result.reason == "timeout"
+
+
+def test_filling_the_disk(trainer, mode):
+    program = "with open('big.bin', 'wb') as f:\n    f.write(b'x' * (4 << 20))\n"
+    assert run_contained(program, trainer, mode).reason == "file size limit"
+
+
+def test_leaving_the_session(trainer, mode):
+    # setsid puts a process out of reach of the process-group kill; the PID namespace still ends it.
+    program = ("import os, time\n"
+               "try:\n"
+               "    os.setsid()\n"
+               "except OSError:\n"
+               "    pass  # already a session leader (the run without namespaces)\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               "time.sleep(60)\n")
+    result = run_contained(program, trainer, mode)
+    assert result.reason == ("process creation blocked" if mode["audit_guard"] else "timeout")
+
+
+# --- programs that should pass -------------------------------------------------------------------
+
+HUMAN_EVAL_LIKE = '''
+def add(a: int, b: int) -> int:
+    """Return a + b."""
+    return a + b
+
+
+def check(candidate):
+    assert candidate(2, 3) == 5
+    assert candidate(-1, 1) == 0
+
+
+check(add)
+'''
+
+
+def test_a_correct_solution_passes_and_a_wrong_one_fails(mode):
+    result = run_program(HUMAN_EVAL_LIKE, "", LIMITS, **mode)
+    assert result.passed and result.reason == "passed" and result.returncode == 0, result
+    assert result.cleaned and not os.path.exists(result.workdir)
+    wrong = run_program(HUMAN_EVAL_LIKE.replace("return a + b", "return a - b"), "", LIMITS, **mode)
+    assert not wrong.passed and wrong.reason.startswith("exit status 1: AssertionError"), wrong.reason
+
+
+def test_a_program_may_use_stdin_its_directory_and_a_thread(mode):
+    program = ("import os, sys, threading, tempfile\n"
+               "data = sys.stdin.read()\n"
+               "with open('notes.txt', 'w') as f:\n"
+               "    f.write(data)\n"
+               "with tempfile.NamedTemporaryFile() as f:\n"
+               "    f.write(b'scratch')\n"
+               "worker = threading.Thread(target=lambda: None)\n"
+               "worker.start(); worker.join()\n"
+               "print(open('notes.txt').read().upper(), os.listdir('.'))\n")
+    result = run_program(program, "hello\n" * 10000, LIMITS, **mode)
+    assert result.passed, result
+    assert result.stdout.startswith("HELLO\n") and "notes.txt" in result.stdout
+
+
+def test_a_program_that_ignores_its_stdin_still_finishes_at_once(mode):
+    result = run_program("print('done')\n", "x" * (4 << 20), LIMITS, **mode)
+    assert result.passed and result.stdout == "done\n" and result.elapsed_s < LIMITS.wall_s
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def test_bad_input_is_one_clear_error():
+    with pytest.raises(UserError, match="source must be a str"):
+        run_program(b"print(1)")
+    with pytest.raises(UserError, match="wall_s must be a positive number"):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(UserError, match="max_processes must be a positive integer"):
+        SandboxLimits(max_processes=1.5)
+    with pytest.raises(UserError, match="isolation must be one of"):
+        run_program("print(1)", isolation="docker")
+    with pytest.raises(UserError, match="audit_guard=False needs isolation='namespaces'"):
+        run_program("print(1)", isolation="none", audit_guard=False)
+
+
+
+FORGED_STATUS = """import os
+for fd in range(3, 64):  # whichever is the status pipe
+    try:
+        os.write(fd, b"exit code 0\\ncompleted 0\\nstart 0\\n")
+    except OSError:
+        pass
+os._exit({status})
+"""
+
+
+@pytest.mark.parametrize("early_exit, status", [
+    ("import sys\nsys.exit(0)\n", 0), ("import os\nos._exit(0)\n", 0), ("raise SystemExit\n", 0),
+    (FORGED_STATUS.format(status=0), 0), (FORGED_STATUS.format(status=1), 1)],
+    ids=["sys.exit", "os._exit", "SystemExit", "forged status, exit 0", "forged status, exit 1"])
+def test_exiting_before_the_tests_does_not_pass(mode, early_exit, status):
+    # A wrong completion that ends the program before the appended tests run, or forges status lines.
+    wrong = HUMAN_EVAL_LIKE.replace("return a + b", "return a - b")
+    program = wrong.replace("\ncheck(add)", "\n" + early_exit + "\ncheck(add)")
+    result = run_program(program, "", LIMITS, **mode)
+    assert not result.passed and result.returncode == status, result
+    assert result.reason == ("exited before the end of the program (status 0)" if status == 0 else "exit status 1")
