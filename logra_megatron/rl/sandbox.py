@@ -426,7 +426,11 @@ def _end(process, init_fd: Optional[int]):
     process.returncode = os.waitstatus_to_exitcode(wait_status)  # so Popen does not wait again
     if init_fd is not None:
         # PID 1 ends only once every process of its namespace has: wait for that, then it is clean.
-        select.select([init_fd], [], [], INIT_EXIT_WAIT_S)
+        # poll, not select: select() fails on descriptors above 1024, which a long-lived trainer
+        # (or a test process) reaches.
+        waiter = select.poll()
+        waiter.register(init_fd, select.POLLIN)
+        waiter.poll(INIT_EXIT_WAIT_S * 1000)
         os.close(init_fd)
     return process.returncode, usage.ru_utime + usage.ru_stime
 
