@@ -8,6 +8,8 @@ import sys
 import torch.distributed as dist
 from tqdm import tqdm
 
+from logra_megatron.checkpoint_layout import atomic_write_text
+
 
 def _is_logging_rank() -> bool:
     # Every metric is agreed on all ranks before it is logged, so rank 0 can write them.
@@ -48,10 +50,7 @@ class MetricsLogger:
         path = os.path.join(output_dir, "metrics.jsonl")
         kept = [row for row in _read_rows(path)
                 if (row.get("phase") == "warmup" and warmup_done) or (row.get("phase") == "rl" and row.get("step", 0) < first_step)]
-        temporary = path + ".tmp"
-        with open(temporary, "w") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in kept)
-        os.replace(temporary, path)
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
         self.jsonl = open(path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter  # loads tensorboard (slow): only when logging

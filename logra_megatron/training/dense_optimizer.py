@@ -167,10 +167,11 @@ class DenseOptimizer:
         """An inf or NaN in any main gradient on any rank (agreed by all of them). Megatron
         checks only under fp16 loss scaling; its grad norm cannot stand in, because it counts a
         tensor-parallel duplicate (a norm weight) on TP rank 0 only."""
-        local = any(not bool(torch.isfinite(param.grad).all())
-                    for inner in self._inner() for group in inner.optimizer.param_groups
-                    for param in group["params"] if param.grad is not None)
-        flag = torch.tensor([1.0 if local else 0.0])
+        grads = [param.grad for inner in self._inner() for group in inner.optimizer.param_groups
+                 for param in group["params"] if param.grad is not None]
+        # One device-side reduction and one host sync, not one sync per tensor.
+        finite = torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads else torch.tensor(True)
+        flag = (~finite).float().reshape(1)  # on the grads' device (NCCL reduces device tensors)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank steps together
         return bool(flag.item() > 0)
 
