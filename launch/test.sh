@@ -3,7 +3,7 @@
 # Extra arguments go to pytest (e.g. `bash launch/test.sh tests/test_parallel_exactness.py`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/launch/setup_env.sh" "test,hf,rl"
+source "$ROOT/launch/setup_env.sh" "test,hf,rl,plot"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python -m pytest -q "$@"

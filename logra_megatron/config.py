@@ -26,6 +26,7 @@ SECTIONS = (
     ("model", "model and tokenizer"),
     ("checkpoint", "checkpoints"),
     ("parallel", "parallelism"),
+    ("recompute", "activation recomputation"),
     ("optimizer", "optimizer"),
     ("lr_schedule", "learning-rate schedule"),
     ("logra", "LoGRA"),
@@ -45,9 +46,9 @@ def _section_class(name: str):
     return {item.name: item.type for item in dataclasses.fields(TrainConfig)}[name]
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="logra_megatron.train",
-                            description="GRPO post-training on Megatron-Core with LoGRA.")
+def build_parser(prog: str = "logra_megatron.train",
+                 description: str = "GRPO post-training on Megatron-Core with LoGRA.") -> ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file whose keys mirror these flags (flags override it)")
     for section, title in SECTIONS:
         cls = _section_class(section)
@@ -184,10 +185,10 @@ def config_from_namespace(args: argparse.Namespace, base: Dict[str, dict] = None
     return TrainConfig(**sections)
 
 
-def parse_train_args(argv=None, world_size: int = None) -> TrainConfig:
+def parse_train_args(argv=None, world_size: int = None, parser: ArgumentParser = None) -> TrainConfig:
     """Flags (+ optional YAML) -> a validated, resolved TrainConfig. Raises UserError; argparse
-    errors exit 2 with one line."""
-    parser = build_parser()
+    errors exit 2 with one line. ``parser``: another entry point's (default: the trainer's)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     base = _read_yaml(args.config) if args.config is not None else None
     return resolve(config_from_namespace(args, base), world_size)

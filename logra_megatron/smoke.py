@@ -37,7 +37,16 @@ def parse_args(argv=None):
                         help="Megatron dense Adam, or LoGRA sketch-space Adam")
     parser.add_argument("--logra-rank", default="0.25", help="sketch rank: integer or fraction")
     parser.add_argument("--logra-refresh-interval", type=int, default=10)
+    parser.add_argument("--report-json", default=None, metavar="PATH",
+                        help="after --train-iters steps, measure one more on every rank (training "
+                             "state by component, peak step bytes, bytes passed to each collective "
+                             "by TP/PP/DP group) and write all ranks' figures to PATH (rank 0 writes)")
+    from logra_megatron import schema
+    from logra_megatron.training.config import RecomputeConfig
+
+    schema.add_arguments(parser, "recompute", RecomputeConfig, "activation recomputation")
     args = parser.parse_args(argv)
+    args.recompute = RecomputeConfig(**schema.values_for(args, "recompute", RecomputeConfig))
     for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -79,7 +88,8 @@ def run(args) -> list:
     model_config, layout, logra_config = validate(args, world_size)
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
     bare_model, model, optimizer = build_trainable(
-        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed)
+        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed,
+        recompute=args.recompute)
     if args.load:
         load_checkpoint(args.load, bare_model)
 
@@ -96,16 +106,57 @@ def run(args) -> list:
               f"tp={layout.tensor_parallel} pp={layout.pipeline_parallel} dp={layout.data_parallel} "
               f"optimizer={args.optimizer}",
               flush=True)
-    losses = []
+    def one_step():
+        return train_step(model, optimizer, lambda m: lm_forward_backward(m, mine, args.micro_batch_size))
+
+    losses, seconds = [], []
     for step in range(args.train_iters):
         start = time.perf_counter()
-        loss, grad_norm = train_step(model, optimizer,
-                                     lambda m: lm_forward_backward(m, mine, args.micro_batch_size))
+        loss, grad_norm = one_step()
+        seconds.append(time.perf_counter() - start)
         losses.append(loss)
         if rank0:
             print(f"step {step + 1}/{args.train_iters} loss {loss:.6f} grad_norm {grad_norm:.4f} "
-                  f"time {time.perf_counter() - start:.2f}s", flush=True)
+                  f"time {seconds[-1]:.2f}s", flush=True)
+    if args.report_json:
+        losses.append(write_report(args, layout, bare_model, model, optimizer, one_step, seconds))
     return losses
+
+
+def write_report(args, layout, bare_model, model, optimizer, one_step, seconds) -> float:
+    """One more step, measured on every rank (:mod:`logra_megatron.training.measure`); rank 0
+    writes every rank's figures to ``args.report_json``. Returns the measured step's loss."""
+    import json
+    import statistics
+
+    from logra_megatron.training.measure import measure_components, measure_step, rank_coordinates
+
+    coordinates = rank_coordinates()
+    (loss, _), figures = measure_step(one_step, coordinates)
+    components = measure_components(bare_model, model, optimizer)
+    mine = {
+        "rank": torch.distributed.get_rank(), **coordinates[torch.distributed.get_rank()],
+        **components, "training_state_bytes": sum(components.values()),
+        # the first step creates Adam's state: a warm-up, not timed unless it is the only one
+        "step_time_s": statistics.median(seconds[1:] or seconds),
+        **figures, "final_loss": loss,
+    }
+    everyone = [None] * torch.distributed.get_world_size() if mine["rank"] == 0 else None
+    torch.distributed.gather_object(mine, everyone, dst=0)
+    if mine["rank"] == 0:
+        report = {"preset": args.preset, "optimizer": args.optimizer, "logra_rank": args.logra_rank,
+                  "world_size": torch.distributed.get_world_size(), "tp": layout.tensor_parallel,
+                  "pp": layout.pipeline_parallel, "dp": layout.data_parallel,
+                  "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+                  "seq_length": args.seq_length, "timed_steps": max(len(seconds) - 1, 1),
+                  "measured_step": len(seconds) + 1, "ranks": everyone}
+        path = os.path.abspath(args.report_json)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".partial", "w") as handle:
+            json.dump(report, handle, indent=1)
+        os.replace(path + ".partial", path)
+        print(f"measured step {len(seconds) + 1} loss {loss:.6f}; per-rank report: {path}", flush=True)
+    return loss
 
 
 @exit_on_user_error

@@ -21,11 +21,7 @@ with ``--json`` one object ``{"preset", "rank", ..., "dense", "logra", "ratio"}`
 
 import json
 import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,9 +31,9 @@ from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, parse_rank  # noqa: E402
 from logra_megatron.models.config import get_preset  # noqa: E402
 from logra_megatron.training.config import KL_MODES  # noqa: E402
+from _bench_common import (COMPONENTS, measure_components, peak_process_bytes,  # noqa: E402
+                           run_json_child, run_steps)
 
-COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "moment_bytes",
-              "projection_bytes", "controller_extra_bytes")
 METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_bytes", "step_time_s",
                         "dp_comm_bytes_per_step", "final_loss")
 
@@ -89,35 +85,11 @@ def validate(args):
     return model, logra
 
 
-def measure_components(model, ddp, optimizer, controller_extra: int) -> dict:
-    """Bytes of the live tensors of each component (storages counted once across components)."""
-    from logra_megatron.platform.memory import tensor_bytes
-
-    seen = set()
-    state = optimizer.state_bytes()
-    weights = tensor_bytes(model.parameters(), seen)
-    sketches = 0
-    if hasattr(optimizer, "sketch_buffer"):  # LoGRA: the sketch buffer and the norm probes' samples
-        probes = optimizer.norm_estimator.flat if optimizer.norm_estimator is not None else None
-        sketches = tensor_bytes([optimizer.sketch_buffer.flat, probes], seen)
-    return {
-        "weight_bytes": weights,
-        "master_bytes": state["master_weight_bytes"],
-        "grad_bytes": state["grad_bytes"] - sketches,
-        "sketch_bytes": sketches,
-        "moment_bytes": state["optimizer_state_bytes"],
-        "projection_bytes": state["projection_bytes"],
-        "controller_extra_bytes": controller_extra,
-    }
-
-
 def run_child(args) -> dict:
     import torch
 
     from logra_megatron import parallel
     from logra_megatron.logra.accounting import state_bytes
-    from logra_megatron.platform import cuda_available
-    from logra_megatron.platform.memory import AllocationTracker
     from logra_megatron.training.config import KLControlConfig, OptimizerSettings
     from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
     from logra_megatron.training.lm import lm_forward_backward
@@ -146,26 +118,17 @@ def run_child(args) -> dict:
         loss = lm_forward_backward(ddp, mine, args.micro_batch_size)
         return loss, controller.step(ddp, optimizer, probe)
 
-    times, loss = [], None
-    for index in range(args.steps):
-        start = time.perf_counter()
-        loss, _ = step()
-        if index > 0:  # the first step allocates Adam's state: a warm-up, not timed
-            times.append(time.perf_counter() - start)
-    with AllocationTracker() as tracked:  # one more step, tracked (the profiler slows it)
-        loss, control = step()
+    # ``--steps`` untracked steps (the first, which allocates Adam's state, not timed), then one
+    # more, tracked (the profiler slows it).
+    _, (loss, control), seconds, tracked = run_steps(step, args.steps + 1)
     components = measure_components(model, ddp, optimizer, control["controller_extra_bytes"])
     planned = state_bytes(model, logra_config)["logra" if args.child == "logra" else "dense"]
-    if cuda_available():
-        rss = torch.cuda.max_memory_allocated()
-    else:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
         **components,
         "training_state_bytes": sum(components.values()),
         "peak_step_bytes": tracked.peak_bytes,
-        "peak_rss_bytes": rss,
-        "step_time_s": statistics.median(times) if times else tracked.seconds,
+        "peak_rss_bytes": peak_process_bytes(),
+        "step_time_s": seconds,
         "dp_comm_bytes_per_step": planned.dp_comm_bytes_per_step,
         "final_loss": loss,
     }
@@ -177,12 +140,8 @@ def run_parent(args) -> dict:
     for kind in ("adam", "logra"):
         if not args.json:
             print(f"[benchmark] running {kind} ({args.steps} steps + 1 tracked) ...", file=sys.stderr, flush=True)
-        child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", kind],
-            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
-        if child.returncode != 0:
-            raise UserError(f"the {kind} run failed:\n{child.stderr[-3000:]}")
-        results["dense" if kind == "adam" else "logra"] = json.loads(child.stdout.strip().splitlines()[-1])
+        results["dense" if kind == "adam" else "logra"] = run_json_child(
+            [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", kind], kind)
     ratio = {key: (results["logra"][key] / results["dense"][key] if results["dense"][key] else None)
              for key in METRICS}
     settings = {"preset": args.preset, "rank": args.logra_rank, "steps": args.steps, "bf16": args.bf16,

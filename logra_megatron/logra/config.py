@@ -8,12 +8,26 @@ from logra_megatron.schema import option
 
 MOMENT_POLICIES = ("rotate", "reset")
 MASTER_MODES = ("fp32", "bf16-sr", "none")
+UPDATE_RULE_NAMES = ("adam", "rowadam")
+"""The sketch-space update rules ``--logra-update`` selects (the registry is
+logra/update_rules.py; this tuple keeps the flag's parsing free of torch)."""
 
 
 @dataclass(frozen=True)
 class LogRAConfig:
     """How weight gradients are sketched and how the sketch-space Adam behaves."""
 
+    update: str = option(
+        "adam", flag="--logra-update", choices=UPDATE_RULE_NAMES,
+        help="the sketch-space update rule: adam (Adam moments per sketch element, orthonormal projections "
+             "refreshed by a range finder) or rowadam (the reference implementation's rule: a fresh "
+             "Rademacher projection every step, so --logra-refresh-interval, --logra-oversampling and "
+             "--logra-norm-probes do not apply; one second moment per row, each step's update sized "
+             "--logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; no --use-distributed-optimizer)")
+    rowadam_step: float = option(
+        6e-5, flag="--logra-rowadam-step",
+        help="rowadam: the update of all sketched weights together has norm this x their norm at the peak "
+             "--lr (the reference's 6e-5), scaled by the lr schedule (lr / --lr) and then by the KL controller")
     rank: Union[int, float] = option(
         0.5, flag="--logra-rank", parse=lambda text: parse_rank(text),
         help="sketch rank r per weight: an integer, or a fraction in (0, 1] of the projected "
@@ -21,7 +35,8 @@ class LogRAConfig:
     refresh_interval: int = option(
         10, flag="--logra-refresh-interval",
         help="refresh every projection every K optimizer steps with a randomized range finder computed "
-             "in that step's backward (step 0 always runs it)")
+             "in that step's backward (step 0 always runs it); not used by --logra-update rowadam, which "
+             "draws a new projection for every step")
     oversampling: int = option(4, flag="--logra-oversampling",
                                help="extra columns p of the range finder's Gaussian test matrix (r + p in all)")
     second_moment: str = option(
@@ -40,7 +55,8 @@ class LogRAConfig:
         8, flag="--logra-norm-probes",
         help="Gaussian probes per sketched weight that estimate the gradient outside the sketch, so "
              "clipping and the logged grad_norm use an estimate of the full gradient norm; 0 clips on "
-             "the sketch norm alone")
+             "the sketch norm alone (not used by --logra-update rowadam: the norm of its Rademacher sketch is "
+             "itself an unbiased estimate of the gradient's)")
     embeddings: bool = option(
         False, flag="--logra-embeddings",
         help="also sketch the word embedding and the output layer (tied or not; vocabulary-parallel), "
@@ -72,6 +88,16 @@ class LogRAConfig:
             raise UserError(f"--logra-master must be one of {', '.join(MASTER_MODES)}, got {self.master!r}")
         if self.norm_probes < 0:
             raise UserError(f"--logra-norm-probes must be >= 0, got {self.norm_probes}")
+        if self.update not in UPDATE_RULE_NAMES:
+            raise UserError(f"--logra-update must be one of {', '.join(UPDATE_RULE_NAMES)}, got {self.update!r}")
+        if not self.rowadam_step > 0:
+            raise UserError(f"--logra-rowadam-step must be > 0, got {self.rowadam_step}")
+        if self.update == "rowadam" and self.zero1:
+            raise UserError("--logra-update rowadam keeps one second moment per row of each weight, which a "
+                            "ZeRO-1 slice of the sketch buffer cuts through: drop --use-distributed-optimizer")
+        if self.update == "rowadam" and self.identity_projection:
+            raise UserError("--logra-update rowadam draws a random projection every step: it cannot use the "
+                            "identity projection")
         if self.second_moment not in MOMENT_POLICIES:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
 

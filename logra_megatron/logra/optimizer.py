@@ -21,7 +21,8 @@ A step:
    docs/ALGORITHM.md, "Sketch-space Adam", "Master weights").
 4. On a refresh step the range-finder samples (reduced over TP and DP) give new projections;
    the rule's state is carried into the new bases (:mod:`~logra_megatron.logra.refresh`;
-   docs/ALGORITHM.md, "Refresh").
+   docs/ALGORITHM.md, "Refresh"). A rule that redraws its projections (``rowadam``) gets a new
+   seeded Rademacher projection before every backward instead (docs/ALGORITHM.md, "RowAdam").
 
 A step can also be proposed, previewed and committed (the KL controller's protocol,
 :mod:`logra_megatron.training.optimizer`): :meth:`LogRAOptimizer.propose` runs 1-3 up to ``U``
@@ -47,9 +48,9 @@ from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.grad_norm import GradNormEstimator
 from logra_megatron.logra.masters import MasterWeights
-from logra_megatron.logra.refresh import RangeFinderRefresh
+from logra_megatron.logra.refresh import REDRAW, RademacherRedraw, RangeFinderRefresh
 from logra_megatron.logra.sketch import RIGHT
-from logra_megatron.logra.sketch_buffer import SketchBuffer
+from logra_megatron.logra.sketch_buffer import LINE, SketchBuffer
 from logra_megatron.logra.update_rules import UPDATE_RULES
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.weights import gather_full
@@ -121,11 +122,11 @@ class LogRAOptimizer:
     ``optimizer_config`` is Megatron's ``OptimizerConfig`` (lr, weight_decay, adam betas/eps,
     clip_grad, use_distributed_optimizer), shared by both parts; ``dense`` steps the parameters
     that are not sketched (see :class:`DenseRemainder`); ``update_rule`` names an entry of
-    :data:`~logra_megatron.logra.update_rules.UPDATE_RULES`.
+    :data:`~logra_megatron.logra.update_rules.UPDATE_RULES` (default: ``logra_config.update``).
     """
 
     def __init__(self, model_chunks: List, optimizer_config, logra_config: LogRAConfig,
-                 dense: DenseRemainder, update_rule: str = "adam"):
+                 dense: DenseRemainder, update_rule: Optional[str] = None):
         if len(model_chunks) != 1:
             raise ValueError("LogRAOptimizer supports one model chunk (no virtual pipeline)")
         self.config = optimizer_config
@@ -133,12 +134,16 @@ class LogRAOptimizer:
         self.model_chunks = model_chunks
         self.dense = dense
         self.sketch_buffer = SketchBuffer(unwrap_model(model_chunks[0]), logra_config)
-        self.update_rule = UPDATE_RULES[update_rule](self.sketch_buffer.slice_numel, optimizer_config, logra_config)
-        self.refresh = RangeFinderRefresh(logra_config, self.sketch_buffer)
+        self.update_rule = UPDATE_RULES[update_rule or logra_config.update](
+            self.sketch_buffer, optimizer_config, logra_config)
+        redraw = self.update_rule.projections == REDRAW
+        self.refresh = (RademacherRedraw if redraw else RangeFinderRefresh)(logra_config, self.sketch_buffer)
         self.masters = MasterWeights(self.sketch_buffer.weights, logra_config.master, logra_config.seed,
                                      shard_over_dp=logra_config.zero1)
         self.norm_estimator = None
-        if logra_config.norm_probes and not logra_config.identity_projection:
+        # A Rademacher sketch's norm is itself an unbiased estimate of the gradient's norm
+        # (E[Q Q^T] = I for its projection Q); the probes' residual assumes an orthonormal Q.
+        if logra_config.norm_probes and not logra_config.identity_projection and not redraw:
             self.norm_estimator = GradNormEstimator(self.sketch_buffer, logra_config.norm_probes, logra_config.seed)
         self.step_count = 0
         self.proposal: Optional[Proposal] = None
@@ -271,6 +276,12 @@ class LogRAOptimizer:
         self.dense.discard()
         self.proposal = None
 
+    @property
+    def kl_max_scale(self) -> float:
+        """The KL controller's step-scale cap when ``--kl-max-scale`` is not given: the update
+        rule's (1 for ``adam``, 3 for ``rowadam``)."""
+        return self.update_rule.kl_max_scale
+
     def extra_bytes(self) -> int:
         """Bytes held only while a step is proposed: the dense part's copies (the low-rank
         update ``U`` is the size of the sketch and is counted with the gradients)."""
@@ -317,13 +328,29 @@ class LogRAOptimizer:
         return dict(step_count=self.step_count, **self.update_rule.counters(),
                     refreshes_done=self.refresh.refreshes_done)
 
+    def _rule_view(self, entry, flat: torch.Tensor) -> torch.Tensor:
+        """``entry``'s part of a full-length tensor of the rule's state: shaped like its sketch
+        (per-element state) or its lines (per-line state)."""
+        return entry.line_view(flat) if self.update_rule.state_layout == LINE else entry.view(flat)
+
+    def _rule_numel(self) -> int:
+        return self.sketch_buffer.line_numel if self.update_rule.state_layout == LINE else self.sketch_buffer.numel
+
+    def _full_rule_state(self) -> dict:
+        """The rule's state tensors at full length (gathered over DP for sliced per-element
+        state; per-line state is never sliced)."""
+        state = self.update_rule.state()
+        if self.update_rule.state_layout == LINE:
+            return dict(state)
+        return {name: self.sketch_buffer.full(tensor) for name, tensor in state.items()}
+
     def _per_weight_state(self) -> dict:
         """Per weight: the rule's state (full, gathered over DP in ZeRO-1 mode) and the
         projection, as copies."""
-        full = {name: self.sketch_buffer.full(tensor) for name, tensor in self.update_rule.state().items()}
+        full = self._full_rule_state()
         per_weight = {}
         for entry in self.sketch_buffer.weights:
-            saved = {name: entry.view(tensor).clone() for name, tensor in full.items()}
+            saved = {name: self._rule_view(entry, tensor).clone() for name, tensor in full.items()}
             saved["projection"] = entry.sketch.projection.clone()
             if self.masters.mode == "fp32":
                 saved["master"] = self.masters.full_master(entry)
@@ -339,7 +366,8 @@ class LogRAOptimizer:
         ``ShardedTensor``s keyed by global weight name, so it reshards across TP and PP.
 
         A state tensor of the update rule is split over TP exactly like its weight's sketch
-        (rows for right sketches, columns for left ones; the SwiGLU fc1 halves as two tensors),
+        (rows for right sketches, columns for left ones; the SwiGLU fc1 halves as two tensors;
+        per-line state along its only axis, which holds those rows or columns),
         and so is an fp32 master (``--logra-master fp32``: it is split like its weight, which
         is the same axis). Projections are the same on every TP/DP rank and are saved once.
         Embedding and output weights (``--logra-embeddings``) have a vocabulary padded to a
@@ -352,10 +380,10 @@ class LogRAOptimizer:
         for entry in self.sketch_buffer.weights:
             saved = per_weight[entry.name]
             key = f"logra.{entry.name}"
-            axis = 0 if entry.sketch.side == RIGHT else 1
             copy = int(entry.pipeline_copy)
             for state_name in self._saved_state_names():
                 tensor = saved[state_name]
+                axis = 0 if entry.sketch.side == RIGHT or tensor.dim() == 1 else 1
                 if entry.vocab_rows is not None:
                     full = gather_full(tensor, entry.weight, entry.name)[:entry.vocab_rows].contiguous()
                     sharded[f"{entry.name}.{state_name}"] = ShardedTensor.from_rank_offsets(
@@ -381,15 +409,16 @@ class LogRAOptimizer:
         self.dense.load_state_dict(state["dense"])
         tensors = state["logra_tensors"]
         names = self.update_rule.state_names
-        full = {name: torch.zeros(self.sketch_buffer.numel) for name in names}
+        full = {name: torch.zeros(self._rule_numel()) for name in names}
         for entry in self.sketch_buffer.weights:
             for name in names:
-                entry.view(full[name]).copy_(self._loaded(tensors, entry, name))
+                self._rule_view(entry, full[name]).copy_(self._loaded(tensors, entry, name))
             entry.sketch.projection = tensors[f"{entry.name}.projection"].float().contiguous().clone()
             if self.masters.mode == "fp32":
                 self.masters.load_full_master(entry, self._loaded(tensors, entry, "master"))
         for name, tensor in self.update_rule.state().items():
-            tensor.copy_(self.sketch_buffer.local_slice(full[name]))
+            tensor.copy_(full[name] if self.update_rule.state_layout == LINE
+                         else self.sketch_buffer.local_slice(full[name]))
         counters = state["logra_counters"]
         self.step_count = int(counters["step_count"])
         self.update_rule.load_counters(counters)

@@ -1,9 +1,12 @@
-"""Projections: seeded random orthonormal bases and the randomized range finder.
+"""Projections: seeded random orthonormal bases, the randomized range finder, and the
+Rademacher projections of ``--logra-update rowadam``.
 
 Every rank that shares a projection must build the same one without communicating, so all
 randomness is drawn from generators seeded by (base seed, the weight's global name, a counter):
 the same on every TP, PP and DP rank, independent of the layout.
 """
+
+import math
 
 import torch
 
@@ -30,3 +33,16 @@ def range_finder_basis(sample: torch.Tensor, rank: int) -> torch.Tensor:
     index = u.abs().argmax(dim=0)
     signs = torch.sign(u[index, torch.arange(u.shape[1])])
     return (u * signs).float().contiguous()
+
+
+def rademacher(dim: int, rank: int, seed: int) -> torch.Tensor:
+    """A ``dim x rank`` matrix of independent signs / sqrt(rank), reproducible from ``seed``.
+
+    Not orthonormal, but ``E[Q Q^T] = I``: a sketch ``G Q`` mapped back as ``(G Q) Q^T`` is an
+    unbiased estimate of ``G``, and ``||G Q||^2`` of ``||G||^2`` (docs/ALGORITHM.md, "RowAdam").
+    The draw depends on the seed and the shape only, so every rank that shares the projection
+    (the whole projected dimension is never split) builds the same one at any layout.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (dim, rank), generator=generator, dtype=torch.int8)
+    return (signs.float() * 2.0 - 1.0).div_(math.sqrt(rank)).contiguous()

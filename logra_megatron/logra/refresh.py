@@ -7,6 +7,10 @@ DP after it, and :meth:`RangeFinderRefresh.refresh` replaces each projection by 
 vectors of its sample, after the step's update. The update rule's state is carried into the new
 bases by the rule itself (:meth:`~logra_megatron.logra.update_rules.UpdateRule.rotate`). With
 the identity projection nothing is ever refreshed.
+
+Rules that declare ``projections = REDRAW`` (``--logra-update rowadam``) use
+:class:`RademacherRedraw` instead: no range finder, a fresh seeded Rademacher projection before
+every step's backward (docs/ALGORITHM.md, "RowAdam").
 """
 
 import torch
@@ -14,11 +18,17 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.projection import range_finder_basis
+from logra_megatron.logra.projection import rademacher, range_finder_basis
 from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.logra.sketch_buffer import SketchBuffer, SketchedWeight
 from logra_megatron.models.weights import shard_of
 from logra_megatron.seeding import name_seed, seeded_gaussian
+
+RANGE_FINDER, REDRAW = "range-finder", "redraw"
+"""How an update rule's projections change (``UpdateRule.projections``): by range-finder
+refreshes (:class:`RangeFinderRefresh`), or redrawn for every step (:class:`RademacherRedraw`)."""
+REDRAW_STREAM = 2_000_003
+"""Offset of the redraws' counter, apart from the other seeded draws of a weight."""
 
 
 class RangeFinderRefresh:
@@ -85,4 +95,43 @@ class RangeFinderRefresh:
         rule.after_refresh(full)
         for name, tensor in live.items():
             tensor.copy_(self.buffer.local_slice(full[name]))
+        self.refreshes_done += 1
+
+
+class RademacherRedraw:
+    """A fresh projection for every step, as the reference implementation draws one per update.
+
+    Before each step's backward (:meth:`arm`) every sketch gets a ``projected x r`` matrix of
+    signs / sqrt(r) seeded by (base seed, the weight's global name, the number of updates
+    committed so far): the same on every TP/PP/DP rank that shares it, at any layout, and the
+    same again after a resume (the count is checkpointed as ``refreshes_done``) or after a
+    skipped step (nothing was committed). The backward sketches through it and the update maps
+    back through it; committing the step counts it (:meth:`refresh`), so the next backward
+    sketches through a new one. The count is not reset with the optimizer's state, so a new
+    training phase does not repeat an earlier phase's projections.
+    """
+
+    def __init__(self, logra_config: LogRAConfig, buffer: SketchBuffer):
+        self.logra = logra_config
+        self.buffer = buffer
+        self.refreshes_done = 0
+        """Updates committed with a drawn projection; seeds the next draw."""
+
+    def is_refresh_step(self, step_count: int) -> bool:
+        return True  # every committed step retires its projection
+
+    def arm(self, step_count: int) -> None:
+        for entry in self.buffer.weights:
+            sketch = entry.sketch
+            projected = sketch.in_features if sketch.side == RIGHT else sketch.out_features
+            seed = name_seed(self.logra.seed, entry.name, REDRAW_STREAM + self.refreshes_done)
+            sketch.projection = rademacher(projected, sketch.rank, seed)
+            sketch.test_matrix = sketch.range_sample = None
+
+    def reduce_samples(self) -> None:
+        """Nothing to reduce: there is no range finder."""
+
+    def refresh(self, rule) -> None:
+        """After a committed update: the next :meth:`arm` draws a new projection. The rule's
+        per-line state needs no change of basis."""
         self.refreshes_done += 1

@@ -7,7 +7,9 @@ It owns what is per weight and what is communicated:
   the flat buffer);
 - the data-parallel reduction of the sketches: a mean by all-reduce, or in ZeRO-1 mode a
   reduce-scatter so each DP rank keeps one slice (docs/ALGORITHM.md, "DP reduction and ZeRO-1");
-  and the layout of per-element optimizer state between this rank's slice and the full buffer;
+  and the layout of per-element optimizer state between this rank's slice and the full buffer,
+  and of per-line state (one value per row of a right sketch, per column of a left one: the
+  weight's rows or columns that the projection does not mix; docs/ALGORITHM.md, "RowAdam");
 - the sketch part of the global gradient norm (docs/ALGORITHM.md, "Exactness across TP": sketch
   shards are never TP-replicated, so their squares are summed over the model-parallel group).
 """
@@ -29,13 +31,16 @@ from logra_megatron.seeding import name_seed
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
+ELEMENT, LINE = "element", "line"
+"""Layouts of an update rule's state: per sketch element (like the flat buffer, sliced in ZeRO-1
+mode), or per line (:meth:`SketchedWeight.line_view`)."""
 
 
 class SketchedWeight:
     """Bookkeeping for one sketched weight: its module, sketch, and views into flat buffers."""
 
     def __init__(self, name: str, local_name: str, module, sketch: LinearSketch, offset: int,
-                 tied_across_stages: bool = False, pipeline_copy: bool = False):
+                 tied_across_stages: bool = False, pipeline_copy: bool = False, line_offset: int = 0):
         self.name = name  # global, e.g. decoder.layers.3.mlp.linear_fc1.weight
         self.local_name = local_name
         self.module = module
@@ -43,6 +48,10 @@ class SketchedWeight:
         self.offset = offset  # into the flat sketch buffer
         self.numel = sketch.sketch.numel()
         self.shape = tuple(sketch.sketch.shape)
+        self.line_offset = line_offset  # into flat per-line state
+        self.lines = self.shape[0] if sketch.side == RIGHT else self.shape[1]
+        """The sketch's lines the projection does not mix: the rows of a right sketch (``m x r``,
+        the weight's output rows), the columns of a left one (``r x n``, its input columns)."""
         self.tied_across_stages = tied_across_stages
         """A tied embedding held by the first and the last pipeline stage: its sketches are
         summed over Megatron's embedding group."""
@@ -64,6 +73,11 @@ class SketchedWeight:
         """This weight's part of a full-length flat buffer (the sketch buffer, or optimizer state
         laid out like it), shaped like its sketch."""
         return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+    def line_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This weight's part of flat per-line state (``lines`` long). It is split over TP like
+        the sketch's lines (its rows, or its columns), along its only axis."""
+        return flat[self.line_offset : self.line_offset + self.lines]
 
 
 class SketchBuffer:
@@ -96,6 +110,7 @@ class SketchBuffer:
         padded = -(-total // self.dp) * self.dp if self.zero1 else total
         self.flat = torch.zeros(padded, dtype=torch.float32)
         self.weights: List[SketchedWeight] = []
+        line_offset = 0
         for name, local_name, module, side, out_f, in_f, projected, rank, offset in entries:
             if logra_config.identity_projection:
                 if rank != projected:
@@ -109,11 +124,15 @@ class SketchBuffer:
             module.logra_sketch = sketch
             self.weights.append(SketchedWeight(name, local_name, module, sketch, offset,
                                                tied_across_stages=tied and name == TIED_EMBEDDING,
-                                               pipeline_copy=tied and local_name == "output_layer"))
+                                               pipeline_copy=tied and local_name == "output_layer",
+                                               line_offset=line_offset))
+            line_offset += self.weights[-1].lines
         for module in model.modules():  # a tied output layer on the embedding's stage
             if isinstance(module, _SketchingMixin) and module.weight is None:
                 module.logra_sketch = model.embedding.word_embeddings.logra_sketch
         self.slice_numel = padded // self.dp if self.zero1 else padded
+        self.line_numel = line_offset
+        """Length of flat per-line state (never sliced over DP)."""
 
     @property
     def numel(self) -> int:

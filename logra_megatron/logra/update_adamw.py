@@ -14,7 +14,9 @@ from typing import Dict
 import torch
 
 from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.logra.refresh import RANGE_FINDER
 from logra_megatron.logra.sketch import LEFT
+from logra_megatron.logra.sketch_buffer import ELEMENT
 
 
 class SketchAdamW:
@@ -26,8 +28,12 @@ class SketchAdamW:
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
+    state_layout = ELEMENT
+    projections = RANGE_FINDER
+    kl_max_scale = 1.0
 
-    def __init__(self, numel: int, optimizer_config, logra_config: LogRAConfig):
+    def __init__(self, buffer, optimizer_config, logra_config: LogRAConfig):
+        numel = buffer.slice_numel
         self.beta1 = optimizer_config.adam_beta1
         self.beta2 = optimizer_config.adam_beta2
         self.eps = optimizer_config.adam_eps

@@ -3,34 +3,60 @@ update, and the registry of them by name.
 
 A rule sees flat tensors laid out like :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer`
 (each sketched weight's elements at the same offsets), restricted to this rank's slice in ZeRO-1
-mode. :class:`~logra_megatron.logra.optimizer.LogRAOptimizer` does everything around it: the DP
+mode. Its state is either per sketch element (laid out like the gradient) or per line (one value
+per row of a right sketch, per column of a left one: the lines the projection does not mix, so
+the state keeps its meaning when the projection changes); the rule declares which.
+:class:`~logra_megatron.logra.optimizer.LogRAOptimizer` does everything around it: the DP
 reduction, the gradient norm and clipping, gathering the update over DP, mapping it back through
 the projections and applying ``lr`` and decoupled weight decay to the weights, refreshing the
 projections, and checkpointing the rule's state (docs/ALGORITHM.md, "Sketch-space Adam").
 
 Adding a rule is one new file with a class implementing :class:`UpdateRule` and one line in
-:data:`UPDATE_RULES`; ``LogRAOptimizer(..., update_rule=name)`` selects it.
+:data:`UPDATE_RULES` (and its name in ``logra/config.py``'s ``UPDATE_RULE_NAMES``, the choices
+of ``--logra-update``); ``LogRAConfig(update=name)`` selects it.
 """
 
 from typing import Dict, Protocol, Tuple
 
 import torch
 
+from logra_megatron.logra.refresh import RANGE_FINDER, REDRAW
+from logra_megatron.logra.sketch_buffer import ELEMENT, LINE
 from logra_megatron.logra.update_adamw import SketchAdamW
+from logra_megatron.logra.update_rowadam import RowAdam
+
+__all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "REDRAW"]
 
 
 class UpdateRule(Protocol):
     """The interface of a sketch-space update rule.
 
-    Constructed as ``Rule(numel, optimizer_config, logra_config)``: ``numel`` is the length of
-    this rank's slice (the whole flat buffer unless ZeRO-1), ``optimizer_config`` Megatron's
-    ``OptimizerConfig`` (betas, eps, ...), ``logra_config`` the
-    :class:`~logra_megatron.logra.config.LogRAConfig` (moment policy at a refresh, ...).
+    Constructed as ``Rule(buffer, optimizer_config, logra_config)``: ``buffer`` is the
+    :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer` (``slice_numel``: the length of
+    this rank's slice, the whole flat buffer unless ZeRO-1; ``line_numel``; the weights),
+    ``optimizer_config`` Megatron's ``OptimizerConfig`` (lr, betas, eps, ...), ``logra_config``
+    the :class:`~logra_megatron.logra.config.LogRAConfig` (moment policy at a refresh, ...).
     """
 
     state_names: Tuple[str, ...]
-    """Names of the rule's per-element state tensors (each ``numel`` long). They are the
-    checkpoint keys, per sketched weight: ``logra.<weight name>.<state name>``."""
+    """Names of the rule's state tensors. They are the checkpoint keys, per sketched weight:
+    ``logra.<weight name>.<state name>``."""
+
+    state_layout: str
+    """:data:`ELEMENT`: each state tensor is ``slice_numel`` long, laid out like this rank's
+    slice of the sketch buffer (a weight's part is shaped like its sketch). :data:`LINE`: each
+    is ``line_numel`` long, one value per line of every weight's sketch
+    (:meth:`~logra_megatron.logra.sketch_buffer.SketchedWeight.line_view`); never sliced over DP
+    (such a rule refuses ZeRO-1)."""
+
+    projections: str
+    """:data:`RANGE_FINDER`: seeded orthonormal projections, refreshed every
+    ``--logra-refresh-interval`` steps by a range finder (state follows by :meth:`rotate`).
+    :data:`REDRAW`: a fresh seeded Rademacher projection before every step's backward
+    (logra/refresh.py, :class:`~logra_megatron.logra.refresh.RademacherRedraw`)."""
+
+    kl_max_scale: float
+    """The KL controller's largest step scale when ``--kl-max-scale`` is not given."""
 
     def update(self, grad: torch.Tensor, lr: float, weight_decay: float, step: int) -> torch.Tensor:
         """Advance the state with ``grad`` (this rank's slice of the DP-mean, clipped sketch
@@ -46,7 +72,8 @@ class UpdateRule(Protocol):
     def rotate(self, state: Dict[str, torch.Tensor], change: torch.Tensor, side: str) -> None:
         """At a refresh, carry one weight's state into its new basis, in place. ``state`` holds
         that weight's full (not sliced) views, shaped like its sketch (``r x n`` for a left
-        sketch, ``m x r`` for a right one); ``change = Q_new^T Q_old`` (``r x r``)."""
+        sketch, ``m x r`` for a right one); ``change = Q_new^T Q_old`` (``r x r``). Called for
+        :data:`RANGE_FINDER` rules only."""
 
     def after_refresh(self, state: Dict[str, torch.Tensor]) -> None:
         """After every weight was rotated: whole-buffer work (e.g. dropping a moment).
@@ -65,4 +92,5 @@ class UpdateRule(Protocol):
 
 UPDATE_RULES: Dict[str, type] = {
     "adam": SketchAdamW,
+    "rowadam": RowAdam,
 }

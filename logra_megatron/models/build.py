@@ -39,9 +39,14 @@ def transformer_config(
     pipeline_parallel: int = 1,
     dtype: torch.dtype = torch.float32,
     init_std: float = 0.02,
-    recompute: bool = False,
+    recompute_granularity: Optional[str] = None,
+    recompute_method: Optional[str] = None,
+    recompute_num_layers: Optional[int] = None,
 ):
     """The Megatron ``TransformerConfig`` for ``model`` at the given layout and precision.
+
+    ``recompute_*`` are Megatron's activation-recomputation fields (``None``: keep every
+    activation); ``training/config.py: RecomputeConfig`` validates them and supplies them.
 
     Fusions that need CUDA kernels are off; dropout is off (RL fine-tuning does not use it and it
     keeps runs deterministic). ``use_cpu_initialization`` makes the initial weights independent
@@ -79,9 +84,9 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=on_cuda,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
     )
 
 

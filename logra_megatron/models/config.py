@@ -117,6 +117,25 @@ PRESETS = {
     "qwen2.5-32b": ModelConfig(hidden=5120, layers=64, heads=40, kv_heads=8, ffn_hidden=27648,
                                vocab=152064, max_seq=32768, rope_theta=1000000.0, norm_eps=1e-5,
                                qkv_bias=True, family="qwen2"),
+    # google/gemma-2-27b's published config.json (27.2B parameters): hidden 4608, 46 layers, 32
+    # heads of 128 with 16 kv heads, intermediate 36864, vocab 256000, tied embeddings. For memory
+    # planning (tools/plan_memory.py): our family cannot express Gemma 2's logit soft-capping
+    # (attention 50, final 30), its alternating sliding-window (4096) local attention, GeGLU
+    # (gelu-tanh) instead of SwiGLU (the same three matrices), the attention scale
+    # 1/sqrt(144), the sqrt(hidden) embedding scale, RMSNorm's (1 + w) and the post-attention and
+    # post-FFN norms (2 x 4608 parameters per layer, left out here). Memory does not depend on any
+    # of them except those norms (0.4M parameters, negligible). family="llama": the field allows
+    # llama, qwen2 or mistral only.
+    "gemma-2-27b": ModelConfig(hidden=4608, layers=46, heads=32, kv_heads=16, ffn_hidden=36864,
+                               vocab=256000, max_seq=8192, rope_theta=10000.0, norm_eps=1e-6,
+                               tie_embeddings=True, head_dim=128, family="llama"),
+    # A dense Llama-style model near 27B whose architecture our family expresses exactly:
+    # mistralai/Mistral-Small-24B-Base-2501's published config.json (23.6B parameters; no
+    # sliding window): hidden 5120, 40 layers, 32 heads of 128 with 8 kv heads, intermediate
+    # 32768, vocab 131072, rope theta 1e8, untied.
+    "mistral-small-24b": ModelConfig(hidden=5120, layers=40, heads=32, kv_heads=8, ffn_hidden=32768,
+                                     vocab=131072, max_seq=32768, rope_theta=100000000.0, norm_eps=1e-5,
+                                     head_dim=128, family="mistral"),
 }
 
 

@@ -42,6 +42,9 @@ class AdvantageConfig:
     normalize_std: bool = option(True, flag="--no-std-normalization", negative=True,
                                  help="do not divide group-centred rewards by the group's std "
                                       "(Dr. GRPO's mean-only baseline)")
+    dynamic_sampling: bool = option(False, help="drop groups whose completions all scored the same (DAPO's "
+                                                "dynamic sampling): the batch shrinks to the groups with a "
+                                                "learning signal; the share of tied groups is logged either way")
     unbiased_std: bool = False
     """Use the ``G - 1`` (Bessel) std instead of the population (``G``) std."""
     eps: float = 1e-6

@@ -28,7 +28,7 @@ from logra_megatron.faults import kill_point
 TRAINER_STATE_FILE = "trainer_state.json"
 TOKENIZER_DIR = "tokenizer"
 COMPATIBILITY_FLAGS = {"optimizer": "--optimizer", "logra_rank": "--logra-rank", "logra_master": "--logra-master",
-                       "logra_embeddings": "--logra-embeddings"}
+                       "logra_embeddings": "--logra-embeddings", "logra_update": "--logra-update"}
 """The optimizer settings whose state a resumed run reads; they must match the checkpoint's."""
 
 
@@ -37,7 +37,7 @@ def optimizer_compatibility(config) -> dict:
     settings = {"optimizer": config.optimizer.kind}
     if config.optimizer.kind == "logra":
         settings.update(logra_rank=config.logra.rank, logra_master=config.logra.master,
-                        logra_embeddings=config.logra.embeddings)
+                        logra_embeddings=config.logra.embeddings, logra_update=config.logra.update)
     return settings
 
 

@@ -6,14 +6,16 @@ command-line flags and YAML keys are derived from the same fields (``logra_megat
 via ``logra_megatron/schema.py``). So ``TrainConfig()`` in Python and ``python -m
 logra_megatron.train`` with no arguments describe the same run.
 
-Sections defined by their own layer: ``optimizer``, ``lr_schedule``, ``kl`` (training/config.py),
+Sections defined by their own layer: ``optimizer``, ``lr_schedule``, ``kl``, ``recompute`` (training/config.py),
 ``logra`` (logra/config.py), ``sampling`` (rollout/types.py), ``advantages``
-(rl/advantages.py), ``loss`` (rl/losses.py), ``task`` (rl/tasks.py), ``reward``
+(rl/advantages.py), ``loss`` (rl/losses.py), ``task`` (rl/tasks/config.py), ``reward``
 (rl/rewards.py). The run-level sections are here.
 
 :func:`resolve` turns a TrainConfig into a runnable one: the model config is read once (the
 preset, or ``--load``'s ``model_config.json``), the tokenizer's vocabulary is applied, and the
-layout is checked against the world size, all before any process group starts.
+layout is checked against the world size, the task source is built (a JSONL file read, a
+reasoning-gym dataset configured) and its prompts formatted, and the reward is chosen (the task's
+own unless ``--reward``) and checked against the task, all before any process group starts.
 """
 
 import dataclasses
@@ -31,22 +33,20 @@ from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models import PRESETS, ModelConfig
 from logra_megatron.rl.advantages import AdvantageConfig
 from logra_megatron.rl.losses import PolicyLossConfig
-from logra_megatron.rl.rewards import RewardConfig
-from logra_megatron.rl.tasks import ArithmeticTaskConfig, ArithmeticTasks
+from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
+from logra_megatron.rl.rewards import RewardConfig, check_reward_fits_task
+from logra_megatron.rl.tasks import PROVIDES_ANSWER, TaskConfig, TaskSource, build_task_source
 from logra_megatron.rl.tokenizers import build_run_tokenizer
 from logra_megatron.rollout.engine import ROLLOUT_ENGINES
 from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.schema import option
 from logra_megatron.tokenizer import HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES
-from logra_megatron.training.config import KLControlConfig, LRScheduleConfig, OptimizerSettings
+from logra_megatron.training.config import KLControlConfig, LRScheduleConfig, OptimizerSettings, RecomputeConfig
 
 
 SEED_LIMIT = 2**32
 """``--seed`` is below this: every RNG it seeds (Python, NumPy-style, torch, the sampling
 streams derived from it) accepts a 32-bit seed."""
-TASK_SUPPLY_CHECKED_UP_TO = 100_000
-"""resolve() counts the arithmetic problems on each side of the split exactly when there are at
-most this many (a few ms); above, the run asks for far fewer than exist."""
 
 
 def _at_least(config, minimum: int, *names: str) -> None:
@@ -175,6 +175,8 @@ class RunConfig:
     seed: int = option(1234, help="seeds the weights, projections, prompts and sampling")
     micro_batch_size: int = option(16, help="sequences per forward/backward")
     eval_prompts: int = option(150, help="held-out prompts (never trained on) for the greedy accuracy")
+    eval_samples: int = option(0, help="also sample this many completions per held-out prompt (at --temperature) "
+                                       "and report pass@k with the unbiased estimator (0: greedy pass@1 only)")
     exit_interval: int = option(0, help="stop (saving with --save) when the iteration is a multiple of this")
     output_dir: str = option("", help="metrics.jsonl, TensorBoard and summary.json (default: runs/<timestamp>)")
     tensorboard_dir: Optional[str] = option(None, help="default: <output-dir>/tensorboard")
@@ -185,7 +187,7 @@ class RunConfig:
 
     def __post_init__(self):
         _at_least(self, 1, "train_iters", "micro_batch_size", "eval_prompts", "log_interval")
-        _at_least(self, 0, "exit_interval", "max_consecutive_skips", "seed")
+        _at_least(self, 0, "exit_interval", "max_consecutive_skips", "seed", "eval_samples")
         if self.seed >= SEED_LIMIT:
             raise UserError(f"--seed must be below 2**32 = {SEED_LIMIT}, got {self.seed}")
         _check_output_directory("--output-dir", self.output_dir or None)
@@ -199,6 +201,7 @@ class TrainConfig:
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     logra: LogRAConfig = field(default_factory=LogRAConfig)
@@ -207,7 +210,7 @@ class TrainConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    task: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -261,13 +264,17 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
                             config.parallel.pipeline_model_parallel_size, world_size)
     name = config.model.preset if load_dir is None else load_dir
     layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab, name)
+    config.recompute.check_layers(model.layers // layout.pipeline_parallel)
     if config.rollout.prompts_per_step % layout.data_parallel:
         raise UserError(f"--prompts-per-step {config.rollout.prompts_per_step} must be a multiple of the "
                         f"data-parallel size {layout.data_parallel}")
     _check_micro_batch(config, layout.data_parallel)
-    _check_task_supply(config)
-    _check_sequence_length(config, tokenizer, model, name)
-    return dataclasses.replace(config, model_config=model, load_dir=load_dir)
+    source = build_task_source(config.task)
+    prompt_format = build_prompt_format(config.task, source, tokenizer)
+    reward = _resolve_reward(config, source, prompt_format)
+    _check_task_supply(config, source)
+    _check_sequence_length(config, tokenizer, model, name, source, prompt_format)
+    return dataclasses.replace(config, model_config=model, load_dir=load_dir, reward=reward)
 
 
 def _world_size() -> int:
@@ -325,48 +332,44 @@ def _check_micro_batch(config: TrainConfig, data_parallel: int) -> None:
             f"{data_parallel} x --group-size {config.advantages.group_size}), or be at least that many")
 
 
-def _check_task_supply(config: TrainConfig) -> None:
-    """The arithmetic task must have enough distinct problems on each side of its split for what
-    the run asks: ``--eval-prompts`` held-out ones, ``--prompts-per-step`` training ones a step
-    (x ``--group-size`` for the supervised warm-up). Found now, not after the model is built."""
-    task = config.task
+def _resolve_reward(config: TrainConfig, source: TaskSource, prompt_format: PromptFormat) -> RewardConfig:
+    """The task decides the reward unless ``--reward`` names one; either way it must fit the
+    task's records (``--reward gsm_symbolic`` cannot score arithmetic prompts), and the
+    supervised warm-up needs reference answers."""
+    name = config.reward.name or source.default_reward(prompt_format.chat)
+    check_reward_fits_task(name, source.name, source.provides)
+    if config.warmup.iters and PROVIDES_ANSWER not in source.provides:
+        raise UserError(f"--task {source.name} has no reference answers for the supervised warm-up; "
+                        f"pass --warmup-iters 0")
+    return dataclasses.replace(config.reward, name=name)
+
+
+def _check_task_supply(config: TrainConfig, source: TaskSource) -> None:
+    """The task must have enough distinct problems on each side of its split for what the run
+    asks: ``--eval-prompts`` held-out ones, ``--prompts-per-step`` training ones a step (x
+    ``--group-size`` for the supervised warm-up). Found now, not after the model is built."""
     needs = [("held-out", "--eval-prompts", config.run.eval_prompts),
              ("training", "--prompts-per-step", config.rollout.prompts_per_step)]
     if config.warmup.iters:
         needs.append(("training", "--prompts-per-step x --group-size (the supervised warm-up's batch)",
                       config.rollout.prompts_per_step * config.advantages.group_size))
-    if task.num_problems > TASK_SUPPLY_CHECKED_UP_TO:
-        have = {"held-out": task.num_problems, "training": task.num_problems}  # upper bounds
-    else:
-        tasks, prompts = ArithmeticTasks(task), set()
-        for a in range(task.min_operand, task.max_operand + 1):
-            for b in range(task.min_operand, task.max_operand + 1):
-                for op in task.operations:
-                    first, second = (b, a) if op == "-" and not task.allow_negative and a < b else (a, b)
-                    prompts.add(tasks.record(first, op, second)["prompt"])
-        held_out = sum(tasks.is_held_out(prompt) for prompt in prompts)
-        have = {"held-out": held_out, "training": len(prompts) - held_out}
-    for side, what, count in needs:
-        if count > have[side]:
-            raise UserError(
-                f"{what} asks for {count} distinct {side} problems, but the arithmetic task has only "
-                f"{have[side]} (--max-operand {task.max_operand}, --held-out-fraction "
-                f"{task.held_out_fraction}); ask for fewer or raise --max-operand")
+    source.check_supply(needs)
 
 
-def _check_sequence_length(config: TrainConfig, tokenizer, model: ModelConfig, name: str) -> None:
-    """The longest prompt of the task plus ``--max-new-tokens`` must fit the model's sequence
-    length (the rollout engine's rule), checked on the widest problems."""
-    task = config.task
-    tasks = ArithmeticTasks(task)
-    extremes = (task.min_operand, task.max_operand)
-    longest = max(len(tokenizer.encode(tasks.record(a, op, b)["prompt"]))
-                  for a in extremes for b in extremes for op in task.operations)
+def _check_sequence_length(config: TrainConfig, tokenizer, model: ModelConfig, name: str, source: TaskSource,
+                           prompt_format: PromptFormat) -> None:
+    """The longest prompt of the task (as the policy sees it, chat template included) plus
+    ``--max-new-tokens`` must fit the model's sequence length (the rollout engine's rule), checked
+    on the prompts the source says bound it (the arithmetic task's widest problems, every record
+    of a file, a generator's evaluation set and first batch)."""
+    probe = source.length_probe(config.run.eval_prompts, config.rollout.prompts_per_step)
+    longest = max(len(tokenizer.encode(prompt_format.prompt(record))) for record in probe)
     new = config.sampling.max_new_tokens
     if longest + new > model.max_seq:
+        hint = " (or --max-operand)" if config.task.name == "arithmetic" else ""
         raise UserError(
             f"--max-new-tokens {new} + the longest prompt ({longest} tokens) exceeds the max sequence length "
-            f"{model.max_seq} of {name}; lower --max-new-tokens (or --max-operand)")
+            f"{model.max_seq} of {name}; lower --max-new-tokens{hint}")
 
 
 def _checkpoint_to_load(checkpoint: CheckpointConfig) -> Optional[str]:

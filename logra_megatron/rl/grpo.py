@@ -9,26 +9,29 @@
 Both read the logits vocab-parallel ([b, s, V/tp] on the last stage) and never gather the
 vocabulary. Rollouts are left-padded; each model call gets the padding-aware causal mask and
 per-row rotary positions (:func:`~logra_megatron.models.positions.rope_positions`). The loss is
-normalized by the number of response tokens of this data-parallel rank's whole batch, so it
-does not depend on how the batch is split into microbatches.
+divided by the count (response tokens, or sequences for the ``seq-mean-*`` aggregations) of the
+optimizer step's whole batch over every data-parallel replica, so it is the global mean and does
+not depend on how the batch is split into microbatches or over ranks.
 """
 
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from logra_megatron import parallel
 from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
-from logra_megatron.rl.losses import PolicyLossConfig, policy_loss
+from logra_megatron.rl.losses import PolicyLossConfig, aggregation_count, policy_loss
 from logra_megatron.rollout.types import Rollouts
 from logra_megatron.training.kl_control import ProbeSet
 from logra_megatron.training.lm import padded_forward
 
 
-# Metrics that policy_loss divides by the batch's response tokens (sum them over microbatches);
-# the others are per-microbatch means (weight them by the microbatch's share of tokens).
-_NORMALIZED_BY_BATCH_TOKENS = ("loss", "pg_loss", "kl")
+# Metrics that policy_loss divides by the batch's count (sum them over microbatches); ratio_max
+# is a maximum; the others are per-microbatch means (weighted by the microbatch's share of tokens).
+_NORMALIZED_BY_BATCH_COUNT = ("loss", "pg_loss", "kl")
+_MAXIMA = ("ratio_max",)
 
 
 def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
@@ -91,8 +94,15 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                          loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
                          temperature: float = 1.0, vocab_size: Optional[int] = None) -> dict:
     """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
-    batch (agreed on every rank): loss, pg_loss, clip_fraction, entropy, kl (if on)."""
+    batch (agreed on every rank): loss, pg_loss, clip_fraction, dual_clip_fraction, ratio_mean,
+    ratio_max, entropy, kl (if on)."""
     response_tokens = rollouts.response_mask[:, 1:].float().sum().clamp(min=1)
+    # Megatron's DDP (and LoGRA's sketch reduction) average gradients over data-parallel
+    # replicas, so each rank divides by the global count / dp: the average is the global mean.
+    count = aggregation_count(rollouts.response_mask[:, 1:], loss_config.loss_agg_mode).double()
+    if parallel.dp_size() > 1:
+        dist.all_reduce(count, group=parallel.dp_group())
+    normalizer = float(count.clamp(min=1)) / parallel.dp_size()
     extra = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
 
     def loss_func_for(batch, num_microbatches):
@@ -102,11 +112,11 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                 logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
             loss, metrics = policy_loss(
                 logprob, batch["old_logprobs"], batch["advantages"], mask, loss_config,
-                ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=response_tokens)
+                ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=normalizer)
             weight = mask.sum() / response_tokens
             reported = {"loss": loss.detach().float(), "weight": weight,
                         "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
-            for key in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
+            for key in ("pg_loss", "kl", "clip_fraction", "dual_clip_fraction", "ratio_mean", "ratio_max"):
                 if key in metrics:
                     reported[key] = metrics[key].detach().float()
             # Megatron divides a 2-tuple loss by the number of microbatches; undo that, the
@@ -120,12 +130,15 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
     if parallel.is_last_stage():
         keys = [key for key in outputs[0] if key != "weight"]
         for key in keys:
-            if key in _NORMALIZED_BY_BATCH_TOKENS:  # already a share of the batch mean
+            if key in _NORMALIZED_BY_BATCH_COUNT:  # already a share of the batch mean
                 summary[key] = float(sum(item[key] for item in outputs))
+            elif key in _MAXIMA:
+                summary[key] = float(max(item[key] for item in outputs))
             else:
                 summary[key] = float(sum(item[key] * item["weight"] for item in outputs))
     names = parallel.broadcast_object_from_last_stage(sorted(summary) if parallel.is_last_stage() else None)
-    return {name: parallel.agree_on_scalar(summary.get(name, 0.0)) for name in names}
+    return {name: parallel.agree_on_scalar(summary.get(name, 0.0), op="max" if name in _MAXIMA else "mean")
+            for name in names}
 
 
 def probe_rows(rollouts: Rollouts, count: int, offset: float = 0.0) -> torch.Tensor:

@@ -25,6 +25,18 @@ variance); ``k3 = exp(log_r) - log_r - 1`` (unbiased, always >= 0); ``low_var_kl
 apart) and the result clamped to [-10, 10] (as verl does), bounding the gradient any single
 token can contribute. The reference log-probs are constants.
 
+**Dual clip** (Ye et al. 2020, verl's ``clip_ratio_c``): for a negative advantage the clipped
+term grows without bound in the ratio, so one token whose probability rose a lot since sampling
+can dominate the batch. With ``clip_ratio_c = c > 1`` the per-token loss of a token with
+``A < 0`` is capped at ``-A * c``; 0 disables the cap.
+
+**Aggregation** (verl's ``loss_agg_mode`` names): ``token-mean`` (the default, above) divides the
+token sum by the response tokens; ``seq-mean-token-mean`` averages each sequence's tokens, then
+the sequences; ``seq-mean-token-sum`` sums each sequence's tokens, then averages the sequences
+(Dr. GRPO's length-unbiased form). The KL and entropy terms use the same aggregation. Under data
+parallelism the divisor is the count (tokens or sequences) of the whole optimizer step's batch
+over every replica: :func:`aggregation_count` gives this rank's share to sum.
+
 The log-probs themselves come from vocab-parallel logits: see
 :mod:`logra_megatron.ops.vocab_parallel`.
 """
@@ -38,7 +50,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.schema import option
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
-
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass(frozen=True)
@@ -51,12 +63,28 @@ class PolicyLossConfig:
     kl_estimator: str = option("low_var_kl", choices=KL_ESTIMATORS,
                                help="per-token estimator of the KL to the reference (module docstring)")
     entropy_coef: float = option(0.0, help="weight of an entropy bonus (subtracted from the loss)")
+    clip_ratio_c: float = option(3.0, help="dual clip: a token with a negative advantage contributes at most "
+                                           "-A * clip_ratio_c to the loss (verl's default 3; 0 disables)")
+    loss_agg_mode: str = option("token-mean", choices=LOSS_AGG_MODES,
+                                help="how per-token losses become the step's loss (verl's names; "
+                                     "the module docstring of rl/losses.py)")
+    num_minibatches: int = option(1, help="optimizer steps per pass over a rollout batch: the batch is split "
+                                          "into this many minibatches, each one KL-controlled optimizer step")
+    ppo_epochs: int = option(1, help="passes over each rollout batch; the old log-probs are computed once per "
+                                     "batch, so after the first step the ratio departs from 1 and clipping acts")
 
     def __post_init__(self):
         if not 0.0 <= self.clip_low < 1.0:
             raise UserError(f"--clip-low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0.0:
             raise UserError(f"--clip-high must be >= 0, got {self.clip_high}")
+        if self.clip_ratio_c != 0.0 and not self.clip_ratio_c > 1.0:
+            raise UserError(f"--clip-ratio-c must be > 1 (or 0 to disable the dual clip), got {self.clip_ratio_c}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise UserError(f"unknown --loss-agg-mode {self.loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+        for name in ("num_minibatches", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kl_coef < 0.0:
             raise UserError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -81,6 +109,34 @@ def masked_token_mean(values: torch.Tensor, response_mask: torch.Tensor,
     return masked_token_sum(values, response_mask) / normalizer
 
 
+def aggregation_count(response_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """What ``mode`` divides by, counted on ``response_mask`` alone: response tokens for
+    ``token-mean``, sequences with at least one response token otherwise. Summed over the
+    microbatches and data-parallel ranks of one optimizer step, it is the step's divisor."""
+    mask = response_mask.bool()
+    if mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(dim=-1) > 0).sum()
+
+
+def aggregate_loss(values: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
+                   normalizer: Optional[float] = None) -> torch.Tensor:
+    """Per-token ``values`` ``[batch, seq]`` -> one scalar by ``mode`` (module docstring),
+    divided by ``normalizer`` (default: :func:`aggregation_count` of ``response_mask``, at
+    least 1)."""
+    if normalizer is None:
+        normalizer = aggregation_count(response_mask, mode).clamp(min=1).to(values.dtype)
+    if mode == "token-mean":
+        return masked_token_sum(values, response_mask) / normalizer
+    mask = response_mask.bool()
+    per_sequence = torch.where(mask, values, torch.zeros_like(values)).sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_sequence = per_sequence / mask.sum(dim=-1).clamp(min=1).to(values.dtype)
+    elif mode != "seq-mean-token-sum":
+        raise UserError(f"unknown --loss-agg-mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    return per_sequence.sum() / normalizer
+
+
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Broadcast per-sequence advantages ``[batch]`` over the token dimension of ``like``."""
     if advantages.dim() == like.dim() - 1:
@@ -96,20 +152,26 @@ def clipped_surrogate_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     normalizer: Optional[float] = None,
+    clip_ratio_c: float = 0.0,
+    agg_mode: str = "token-mean",
 ):
-    """Token-level PPO/GRPO clipped surrogate (module docstring).
+    """Token-level PPO/GRPO clipped surrogate, with the dual clip when ``clip_ratio_c > 1``
+    (module docstring).
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the sampled tokens under the current policy.
         old_logprobs: ``[batch, seq]`` the same under the policy that sampled them (constant).
         advantages: ``[batch]`` per sequence (broadcast over tokens) or ``[batch, seq]``.
         response_mask: ``[batch, seq]``, 1/True on response tokens, 0 on prompt and padding.
-        normalizer: divide the token sum by this instead of the mask's token count.
+        normalizer: divide by this instead of the mask's count (:func:`aggregate_loss`).
+        clip_ratio_c: the dual clip's cap for negative advantages (0: off).
+        agg_mode: one of ``LOSS_AGG_MODES``.
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached 0-dim tensors ``clip_fraction``
         (share of response tokens where the clipped term is the smaller one, so the token gets
-        no gradient), ``ratio_mean``, ``ratio_max``, ``ratio_min`` and ``num_tokens``.
+        no gradient), ``dual_clip_fraction`` (share where the dual clip's cap applied),
+        ``ratio_mean``, ``ratio_max``, ``ratio_min`` and ``num_tokens``.
     """
     mask = response_mask.bool()
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
@@ -117,7 +179,13 @@ def clipped_surrogate_loss(
     advantages = _per_token(advantages.detach(), logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = masked_token_mean(-torch.minimum(unclipped, clipped), mask, normalizer)
+    per_token = -torch.minimum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(mask)
+    if clip_ratio_c:
+        cap = -advantages * clip_ratio_c
+        dual_clipped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual_clipped, cap, per_token)
+    loss = aggregate_loss(per_token, mask, agg_mode, normalizer)
 
     with torch.no_grad():
         num_tokens = mask.sum()
@@ -125,6 +193,7 @@ def clipped_surrogate_loss(
         selected = ratio[mask]
         metrics = {
             "clip_fraction": masked_token_sum((clipped < unclipped).to(ratio.dtype), mask) / count,
+            "dual_clip_fraction": masked_token_sum(dual_clipped.to(ratio.dtype), mask) / count,
             "ratio_mean": masked_token_sum(ratio, mask) / count,
             "ratio_max": selected.max() if selected.numel() else torch.ones((), dtype=ratio.dtype),
             "ratio_min": selected.min() if selected.numel() else torch.ones((), dtype=ratio.dtype),
@@ -163,11 +232,12 @@ def policy_loss(
     normalizer: Optional[float] = None,
 ):
     """The full GRPO loss: clipped surrogate + ``kl_coef`` * KL - ``entropy_coef`` * entropy,
-    each a token-level mean with the same normalizer. Returns ``(loss, metrics)``; metrics are
+    each aggregated by ``config.loss_agg_mode`` with the same normalizer. Returns ``(loss, metrics)``; metrics are
     the surrogate's plus ``pg_loss``, and ``kl`` / ``entropy`` when those terms are on."""
     loss, metrics = clipped_surrogate_loss(
         logprobs, old_logprobs, advantages, response_mask,
         clip_low=config.clip_low, clip_high=config.clip_high, normalizer=normalizer,
+        clip_ratio_c=config.clip_ratio_c, agg_mode=config.loss_agg_mode,
     )
     metrics["pg_loss"] = loss.detach()
     if config.kl_coef > 0.0:
@@ -179,13 +249,13 @@ def policy_loss(
         kl_per_token = kl_estimate(torch.where(mask, logprobs, torch.zeros_like(logprobs)),
                                    torch.where(mask, ref_logprobs, torch.zeros_like(ref_logprobs)),
                                    config.kl_estimator)
-        kl = masked_token_mean(kl_per_token, mask, normalizer)
+        kl = aggregate_loss(kl_per_token, mask, config.loss_agg_mode, normalizer)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl.detach()
     if config.entropy_coef > 0.0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")
-        mean_entropy = masked_token_mean(entropy, response_mask, normalizer)
+        mean_entropy = aggregate_loss(entropy, response_mask, config.loss_agg_mode, normalizer)
         loss = loss - config.entropy_coef * mean_entropy
         metrics["entropy"] = mean_entropy.detach()
     return loss, metrics

@@ -9,8 +9,13 @@ trainer. Registered here:
 - ``exact_match``: the completion, stripped of surrounding whitespace, equals the reference
   answer (the embedded arithmetic task: ``"12+7="`` -> ``"19"``). Strict on purpose: the
   policy must also learn to stop after the answer.
-- ``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` (and ``reasoning_gym``, which
-  dispatches on ``record["task"]``): the final answer is extracted from the completion with
+- ``final_answer``: the answer the completion states (:func:`extract_final_answer`: an
+  ``<answer>`` tag, ``\\boxed{}``, ``#### X``, ``Answer: X``, else the last number) equals the
+  reference, as text or as a number (``1,000`` = ``1000.0``). The default of short-answer tasks
+  shown through a chat template, whose instruction asks for ``\\boxed{}``.
+- ``reasoning_gym`` (dispatching on ``record["task"]``, the default of every reasoning-gym task)
+  and one reward per offline reasoning-gym dataset by its name (``basic_arithmetic``,
+  ``chain_sum``, ``gsm_symbolic``, ...): the final answer is extracted from the completion with
   :func:`extract_final_answer` and scored by reasoning-gym's own ``score_answer`` for that
   dataset, so its rules hold (e.g. ``basic_arithmetic`` gives partial credit
   ``len(answer)/len(extracted)`` when the reference is a substring, ``gsm_symbolic`` gives 0.01
@@ -27,7 +32,13 @@ trainer. Registered here:
   of :mod:`logra_megatron.rl.sandbox`, else 0.0. The program is the completion (preceded by the
   prompt when ``metadata["include_prompt"]`` is true, as for HumanEval, whose completions
   continue the prompt's function), then ``metadata["test"]``, then ``check(<entry_point>)`` when
-  ``metadata["entry_point"]`` is given (see :func:`code_tests_program`).
+  ``metadata["entry_point"]`` is given (see :func:`code_tests_program`). A completion holding a
+  Markdown code block (a chat model's reply) contributes the block's code instead.
+
+Each reward says what it needs from a record (``register_reward(..., needs=...)``: a reference
+answer, unit tests, a reasoning-gym task); :func:`check_reward_fits_task` refuses, when the config
+is resolved, a ``--reward`` the task's records cannot serve (``--reward gsm_symbolic`` on the
+arithmetic task). Without ``--reward`` the task decides (``TaskSource.default_reward``).
 
 Rewards that misbehave (raise, hang, kill their process) are contained by
 :class:`logra_megatron.rl.reward_runner.RewardRunner`, which the trainer calls them through.
@@ -40,7 +51,9 @@ stripped of whitespace, surrounding ``$`` and ``*`` (Markdown bold) and a traili
 ``None`` when nothing is found.
 """
 
+import difflib
 import functools
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -48,22 +61,28 @@ from typing import Callable, Optional
 
 from logra_megatron.errors import UserError
 from logra_megatron.rl.sandbox import SandboxLimits, SandboxResult, run_program
+from logra_megatron.rl.tasks.base import PROVIDES_ANSWER, PROVIDES_TESTS
+from logra_megatron.rl.tasks.reasoning_gym_source import REASONING_GYM, REASONING_GYM_TASKS, provides_key
 from logra_megatron.schema import option
 
 RewardFn = Callable[[dict, str], float]
 _REWARDS: dict = {}
+_NEEDS: dict = {}
 
 
-def register_reward(name: str):
+def register_reward(name: str, needs: tuple = ()):
     """Decorator: register ``fn(prompt_record, completion_text) -> float`` under ``name``.
 
-    The registered function is wrapped so that a ``None`` completion counts as empty text and
-    the result is always a Python float.
+    ``needs``: what the reward reads from a record, among what task sources provide
+    (``TaskSource.provides``: ``"answer"``, ``"tests"``, ``"reasoning_gym"``,
+    ``"reasoning_gym:<dataset>"``); nothing by default. The registered function is wrapped so
+    that a ``None`` completion counts as empty text and the result is always a Python float.
     """
 
     def decorate(fn: RewardFn) -> RewardFn:
         if name in _REWARDS:
             raise ValueError(f"reward {name!r} is already registered")
+        _NEEDS[name] = frozenset(needs)
 
         @functools.wraps(fn)
         def reward(prompt_record: dict, completion_text: Optional[str]) -> float:
@@ -81,25 +100,57 @@ def available_rewards() -> list:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward registered under ``name``; a :class:`UserError` listing the known names if none."""
+    """The reward registered under ``name``; a :class:`UserError` listing the known names if none
+    (the per-dataset reasoning-gym rewards summarized, with close matches)."""
     if name not in _REWARDS:
-        raise UserError(f"unknown reward {name!r}; known rewards: {', '.join(available_rewards())}")
+        others = [reward for reward in available_rewards() if reward not in REASONING_GYM_TASKS]
+        close = difflib.get_close_matches(name, available_rewards(), n=3, cutoff=0.75)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise UserError(f"unknown reward {name!r}; {hint}known rewards: {', '.join(others)}, or a reasoning-gym "
+                        f"dataset's name (its score_answer)")
     return _REWARDS[name]
+
+
+def reward_needs(name: str) -> frozenset:
+    """What the registered reward ``name`` reads from a record (see :func:`register_reward`)."""
+    get_reward(name)
+    return _NEEDS[name]
+
+
+def check_reward_fits_task(name: str, task_name: str, provides: frozenset) -> None:
+    """A :class:`UserError` when the records of ``--task task_name`` (which provide
+    ``provides``) lack what the reward ``name`` needs."""
+    missing = reward_needs(name) - provides
+    if not missing:
+        return
+    if any(need.startswith(REASONING_GYM) for need in missing):
+        scored = "any reasoning-gym task" if REASONING_GYM in missing else f"reasoning-gym {name} problems"
+        why = f"it scores {scored}"
+    elif PROVIDES_TESTS in missing:
+        why = "it runs each record's unit tests (metadata 'test'), which this task's records do not have"
+    else:
+        why = "it compares with a reference answer, which this task's records do not have"
+    raise UserError(f"--reward {name} cannot score --task {task_name}: {why}; leave --reward out to use the "
+                    f"task's own reward")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     """Which registered reward scores completions (training and evaluation)."""
 
-    name: str = option("exact_match", flag="--reward",
-                       help="a registered reward: exact_match, math_verify, format, a reasoning-gym task name, ...")
+    name: Optional[str] = option(None, flag="--reward",
+                                 help="a registered reward (exact_match, final_answer, math_verify, format, "
+                                      "code_tests, reasoning_gym, a reasoning-gym dataset's name, ...); default: "
+                                      "the task's (arithmetic: exact_match, reasoning-gym: its score_answer, "
+                                      "jsonl: final_answer, humaneval: code_tests)")
     timeout_s: float = option(30.0, flag="--reward-timeout",
                               help="seconds one completion's reward may take; past it the reward scores 0 "
                                    "and is counted (reward_timeouts)")
     workers: int = option(1, flag="--reward-workers", help="processes that compute rewards in parallel")
 
     def __post_init__(self):
-        get_reward(self.name)
+        if self.name is not None:
+            get_reward(self.name)
         if not self.timeout_s > 0:
             raise UserError(f"--reward-timeout must be > 0, got {self.timeout_s}")
         if self.workers < 1:
@@ -197,13 +248,13 @@ def ends_with_marked_answer(text: str) -> bool:
 
 # --- rewards -----------------------------------------------------------------------------------
 
-@register_reward("exact_match")
+@register_reward("exact_match", needs=(PROVIDES_ANSWER,))
 def exact_match_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the stripped completion equals the stripped reference answer."""
     return 1.0 if completion_text.strip() == str(prompt_record["answer"]).strip() else 0.0
 
 
-@register_reward("arithmetic_partial")
+@register_reward("arithmetic_partial", needs=(PROVIDES_ANSWER,))
 def arithmetic_partial_reward(prompt_record: dict, completion_text: str) -> float:
     """Exact answer: 1.0. A number with the right length: half credit per matching digit
     (right-aligned) -- a denser signal than exact match for a policy that is often nearly right.
@@ -226,6 +277,32 @@ def format_reward(prompt_record: dict, completion_text: str) -> float:
     return 1.0 if ends_with_marked_answer(completion_text) else 0.0
 
 
+def _as_number(text: str) -> Optional[float]:
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def same_answer(stated: Optional[str], reference: str) -> bool:
+    """Whether a stated final answer equals the reference: the same text once both are cleaned
+    (whitespace, ``$``, ``*``, a final period), or the same number (``1,000`` = ``1000.0``)."""
+    if stated is None:
+        return False
+    stated, reference = _clean(stated) or "", _clean(str(reference)) or ""
+    if stated == reference:
+        return True
+    stated_number, reference_number = _as_number(stated), _as_number(reference)
+    return stated_number is not None and stated_number == reference_number
+
+
+@register_reward("final_answer", needs=(PROVIDES_ANSWER,))
+def final_answer_reward(prompt_record: dict, completion_text: str) -> float:
+    """1.0 when the completion's stated final answer equals the reference (:func:`same_answer`)."""
+    return 1.0 if same_answer(extract_final_answer(completion_text), prompt_record["answer"]) else 0.0
+
+
 @functools.lru_cache(maxsize=None)
 def _reasoning_gym_scorer(task_name: str):
     import reasoning_gym
@@ -241,27 +318,28 @@ def score_with_reasoning_gym(task_name: str, prompt_record: dict, completion_tex
     answer = extract_final_answer(completion_text)
     if answer is None:
         return 0.0
+    reference = prompt_record.get("answer")
     entry = {
         "question": prompt_record.get("prompt", ""),
-        "answer": str(prompt_record["answer"]),
+        "answer": None if reference is None else str(reference),  # None: scored from the metadata
         "metadata": prompt_record.get("metadata", {}),
     }
     return float(_reasoning_gym_scorer(task_name)(answer, entry))
 
 
 def _register_reasoning_gym_reward(task_name: str) -> None:
-    @register_reward(task_name)
+    @register_reward(task_name, needs=(provides_key(task_name),))
     def reward(prompt_record: dict, completion_text: str) -> float:
         return score_with_reasoning_gym(task_name, prompt_record, completion_text)
 
     reward.__doc__ = f"reasoning-gym's {task_name} score of the extracted final answer."
 
 
-for _task in ("basic_arithmetic", "chain_sum", "gsm_symbolic"):
+for _task in REASONING_GYM_TASKS:
     _register_reasoning_gym_reward(_task)
 
 
-@register_reward("reasoning_gym")
+@register_reward(REASONING_GYM, needs=(REASONING_GYM,))
 def reasoning_gym_reward(prompt_record: dict, completion_text: str) -> float:
     """reasoning-gym score for the dataset named by ``prompt_record["task"]`` (mixed task sets)."""
     return score_with_reasoning_gym(prompt_record["task"], prompt_record, completion_text)
@@ -278,7 +356,7 @@ def _strip_for_math_verify(text: str) -> str:
     return text
 
 
-@register_reward("math_verify")
+@register_reward("math_verify", needs=(PROVIDES_ANSWER,))
 def math_verify_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when math-verify finds the completion's answer equivalent to the reference.
 
@@ -307,13 +385,33 @@ CODE_TEST_LIMITS = SandboxLimits()
 """Limits of one ``code_tests`` run (10 s wall, 5 s CPU, 512 MiB: module sandbox)."""
 
 
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+def code_block(text: str, entry_point: Optional[str] = None) -> Optional[str]:
+    """The code of a Markdown code block in ``text``: the first block that defines
+    ``entry_point``, else the last block (a block cut off by the length limit counts up to the
+    end); None when ``text`` has no fenced block (a bare continuation of the prompt)."""
+    blocks = _FENCE.findall(text)
+    if not blocks:
+        return None
+    if entry_point:
+        defining = [block for block in blocks if re.search(rf"^\s*(?:async\s+)?def\s+{entry_point}\s*\(", block, re.M)]
+        if defining:
+            return defining[0]
+    return blocks[-1]
+
+
 def code_tests_program(prompt_record: dict, completion_text: str) -> str:
     """The program ``code_tests`` runs: ``[prompt +] completion``, the record's tests, the check call.
 
     A HumanEval record: ``prompt`` is the function's signature and docstring, the completion its
     body, and ``metadata`` holds ``test`` (``def check(candidate): assert candidate(2, 3) == 5
     ...``), ``entry_point`` (``"add"``) and ``include_prompt=True``. An optional
-    ``metadata["stdin"]`` is the program's standard input.
+    ``metadata["stdin"]`` is the program's standard input. A completion holding a Markdown code
+    block (a chat model asked for the whole function) contributes that block's code
+    (:func:`code_block`) on a line of its own after the prompt, so it may redefine the function
+    and still use the prompt's imports.
     """
     metadata = prompt_record.get("metadata") or {}
     test = metadata.get("test")
@@ -322,7 +420,9 @@ def code_tests_program(prompt_record: dict, completion_text: str) -> str:
     entry_point = metadata.get("entry_point")
     if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
         raise UserError(f"code_tests reward: metadata['entry_point'] must be a function name, got {entry_point!r}")
-    program = (str(prompt_record.get("prompt", "")) if metadata.get("include_prompt") else "") + completion_text
+    prefix = str(prompt_record.get("prompt", "")) if metadata.get("include_prompt") else ""
+    block = code_block(completion_text, entry_point)
+    program = prefix + completion_text if block is None else prefix + "\n" + block
     program += "\n\n" + test + "\n"
     if entry_point:
         program += f"\n\ncheck({entry_point})\n"
@@ -336,7 +436,7 @@ def run_code_tests(prompt_record: dict, completion_text: str,
     return run_program(code_tests_program(prompt_record, completion_text), stdin=stdin, limits=limits)
 
 
-@register_reward("code_tests")
+@register_reward("code_tests", needs=(PROVIDES_TESTS,))
 def code_tests_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the completion passes the record's unit tests in the sandbox, else 0.0."""
     return 1.0 if run_code_tests(prompt_record, completion_text).passed else 0.0

@@ -31,13 +31,15 @@ from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state,
                                              save_training_state)
 from logra_megatron.rl.config import TrainConfig, resolve
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
+from logra_megatron.rl.evaluation import EvalResult, evaluate_records
 from logra_megatron.rl.metrics import MetricsLogger
+from logra_megatron.rl.minibatches import combine_steps, kept_rows, select_rows, split_minibatches, tied_groups
 from logra_megatron.rl.reward_runner import RewardRunner
 from logra_megatron.rl.rewards import get_reward
-from logra_megatron.rl.tasks import ArithmeticTasks
+from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
+from logra_megatron.rl.tasks import TaskSource, build_task_source
 from logra_megatron.rl.tokenizers import build_run_tokenizer
 from logra_megatron.rollout.engine import build_rollout_engine
-from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.lr_schedule import build_scheduler
@@ -47,6 +49,9 @@ from logra_megatron.training.setup import build_trainable, train_step
 # resumed run draws what the uninterrupted one drew and replicas draw different samples.
 SAMPLING_SEED_PER_RUN = 1_000_003
 SAMPLING_SEED_PER_STEP = 1009
+EVAL_SAMPLING_SEED = 999_983
+"""Sampled evaluation (``--eval-samples``) draws from seed ``run seed * SAMPLING_SEED_PER_RUN +
+this``: a stream of its own, the same at the start and the end of training."""
 SKIPPED_STEP = {"success": False, "grad_norm": None, "kl_pred": None, "step_scale": 0.0, "kl_realized": None,
                 "controller_time_s": 0.0, "controller_extra_bytes": 0}
 WARMUP_PROMPT_STREAM = 100_000
@@ -81,7 +86,8 @@ class Run:
 
     config: TrainConfig
     tokenizer: object
-    tasks: ArithmeticTasks
+    tasks: TaskSource
+    prompt_format: PromptFormat
     model: torch.nn.Module
     ddp: torch.nn.Module
     optimizer: object
@@ -147,9 +153,10 @@ def build(config: TrainConfig) -> Run:
     parallel.initialize(config.parallel.tensor_model_parallel_size,
                         config.parallel.pipeline_model_parallel_size, seed=config.run.seed)
     tokenizer = build_run_tokenizer(config.model, config.load_dir)
-    tasks = ArithmeticTasks(config.task)
+    tasks = build_task_source(config.task)
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
-                                            dtype=_dtype(config), seed=config.run.seed)
+                                            dtype=_dtype(config), seed=config.run.seed,
+                                            recompute=config.recompute)
     state = TrainerState()
     if config.load_dir:
         state = TrainerState.from_checkpoint(load_training_state(
@@ -167,25 +174,28 @@ def build(config: TrainConfig) -> Run:
                controller=controller, logger=logger,
                reward=RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s,
                                    workers=config.reward.workers),
+               prompt_format=build_prompt_format(config.task, tasks, tokenizer),
                held_out=tasks.held_out(config.run.eval_prompts),
                state=state, start_time=start_time)
 
 
-def evaluate(run: Run) -> float:
-    """Greedy accuracy (percent) on the held-out records, split over DP replicas: a completion is
-    correct when the run's reward gives it full credit (>= 1)."""
-    mine = _my_share(run.held_out)
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=run.config.sampling.max_new_tokens,
-                              eos_id=run.tokenizer.eos_id, pad_id=run.tokenizer.pad_id, vocab_size=run.vocab)
-    rollouts = run.engine.generate([run.tokenizer.encode(r["prompt"]) for r in mine], sampling)
-    scores = run.reward.score_batch(mine, [run.tokenizer.decode(c) for c in rollouts.completions()])
-    correct = sum(score >= 1.0 for score in scores)
-    return round(100.0 * parallel.agree_on_scalar(correct / max(1, len(mine))), 2)
+def evaluate(run: Run, samples: int = 0) -> EvalResult:
+    """Greedy pass@1 (and with ``samples``, sampled pass@k) on the held-out records, split over
+    DP replicas: a completion is correct when the run's reward gives it full credit (>= 1)."""
+    config = run.config
+    base = dataclasses.replace(config.sampling, vocab_size=run.vocab)
+    return evaluate_records(run.engine, run.tokenizer, run.prompt_format.prompt, run.reward, run.held_out, base,
+                            samples=samples, temperature=config.sampling.temperature,
+                            seed=config.run.seed * SAMPLING_SEED_PER_RUN + EVAL_SAMPLING_SEED)
 
 
 def record_accuracy(run: Run, key: str, when: str) -> None:
-    run.state.summary[key] = evaluate(run)
+    result = evaluate(run, run.config.run.eval_samples)
+    run.state.summary[key] = round(100.0 * result.greedy_pass_at_1, 2)
+    run.state.summary[key.replace("held_out_accuracy", "evaluation")] = result.to_dict()
     run.logger.info(f"held-out accuracy ({when}): {run.state.summary[key]:.1f}%")
+    if result.samples:
+        run.logger.info(f"  {result.summary_line()}")
 
 
 def supervised_warmup(run: Run) -> None:
@@ -198,12 +208,12 @@ def supervised_warmup(run: Run) -> None:
         run.optimizer, max_lr=warmup.lr, min_lr=warmup.lr if warmup.min_lr is None else warmup.min_lr,
         decay_steps=max(1, warmup.iters - 1), decay_style="constant" if warmup.min_lr is None else "cosine",
         weight_decay=config.optimizer.weight_decay)
-    seq_length = (max(len(run.tokenizer.encode(r["prompt"])) for r in run.held_out)
+    seq_length = (max(len(run.tokenizer.encode(run.prompt_format.prompt(r))) for r in run.held_out)
                   + config.sampling.max_new_tokens + SEQ_LENGTH_MARGIN)
     batch = config.rollout.prompts_per_step * config.advantages.group_size
     for step in range(warmup.iters):
         records = _my_share(run.tasks.train_prompts(batch, step=WARMUP_PROMPT_STREAM + step))
-        tokens, mask = supervised_batch(records, run.tokenizer, seq_length)
+        tokens, mask = supervised_batch(records, run.tokenizer, seq_length, run.prompt_format)
         micro = min(config.run.micro_batch_size, len(records))
         loss, grad_norm = train_step(run.ddp, run.optimizer, lambda m: lm_forward_backward(
             m, tokens, micro, loss_mask=mask, vocab_size=run.vocab))
@@ -232,7 +242,7 @@ def rl_step(run: Run, step: int) -> dict:
     seed = config.run.seed * SAMPLING_SEED_PER_RUN + step * SAMPLING_SEED_PER_STEP + parallel.dp_rank()
     sampling = dataclasses.replace(config.sampling, samples_per_prompt=group_size, eos_id=tokenizer.eos_id,
                         pad_id=tokenizer.pad_id, vocab_size=run.vocab, seed=seed)
-    rollouts = run.engine.generate([tokenizer.encode(r["prompt"]) for r in records], sampling)
+    rollouts = run.engine.generate([tokenizer.encode(run.prompt_format.prompt(r)) for r in records], sampling)
     texts = [tokenizer.decode(c) for c in rollouts.completions()]
     rewards = torch.tensor(run.reward.score_batch([records[i // group_size] for i in range(len(texts))], texts))
     reward_failures = run.reward.take_failures()  # (evaluation's are counted with the next step)
@@ -241,25 +251,22 @@ def rl_step(run: Run, step: int) -> dict:
                         f"last: {run.reward.recent_failures[-1]}")
     advantages = group_advantages(rewards, config.advantages)
 
-    micro = min(config.run.micro_batch_size, rollouts.tokens.shape[0])
+    tied = tied_groups(rewards, group_size)
+    rows = kept_rows(rewards, group_size, config.advantages.dynamic_sampling)
+    batch, batch_advantages = select_rows(rollouts, rows, advantages)
+
+    # Old (and reference) log-probs once per batch: every optimizer step below reuses them.
+    micro = min(config.run.micro_batch_size, batch.num_sequences)
     temperature = config.sampling.temperature
-    old_logprobs, _ = sequence_logprobs(ddp, rollouts, micro, temperature, run.vocab)
+    old_logprobs, _ = sequence_logprobs(ddp, batch, micro, temperature, run.vocab)
     ref_logprobs = None
     if run.reference is not None:
-        ref_logprobs, _ = sequence_logprobs(run.reference, rollouts, micro, temperature, run.vocab)
-    ddp.zero_grad_buffer()
-    run.optimizer.zero_grad()
-    loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
-                                        ref_logprobs=ref_logprobs, temperature=temperature,
-                                        vocab_size=run.vocab)
-    loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
-    if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
-        # The KL probe: completions spread over the batch's prompts, and rows it does not see
-        # for the realized KL out of sample.
-        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
-        control = run.controller.step(ddp, run.optimizer, probe, held_out)
-    else:  # a non-finite loss: no step (the gradients are cleared before the next backward)
-        control = dict(SKIPPED_STEP)
+        ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab)
+    steps = []
+    for _epoch in range(config.loss.ppo_epochs):
+        for part in split_minibatches(torch.arange(batch.num_sequences), config.loss.num_minibatches):
+            steps.append(optimizer_step(run, *select_rows(batch, part, batch_advantages, old_logprobs, ref_logprobs)))
+    control = combine_steps(steps)
     if control["success"]:
         run.engine.sync_weights(ddp)
 
@@ -269,18 +276,48 @@ def rl_step(run: Run, step: int) -> dict:
         "reward_mean": agree(float(rewards.mean())),
         "reward_std": agree(float(rewards.std())),
         "accuracy": 100.0 * agree(float((rewards >= 1.0).float().mean())),
-        "grad_norm": control["grad_norm"], **run.optimizer.diagnostics(), "kl_pred": control["kl_pred"],
+        "grad_norm": control["grad_norm"], **{k: v for k, v in control.items() if k.startswith("grad_norm_")},
+        "kl_pred": control["kl_pred"],
         "kl_realized": control["kl_realized"], "step_scale": control["step_scale"],
         **{key: agree(value) * parallel.dp_size() for key, value in reward_failures.items()},
         "skipped": 0.0 if control["success"] else 1.0, "skipped_steps": float(run.state.skipped_steps + (not control["success"])),
         "controller_time_s": control["controller_time_s"],
         "controller_extra_bytes": float(control["controller_extra_bytes"]),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
+        "tied_group_share": agree(float(tied.float().mean())),
+        "sequences_in_loss": agree(float(batch.num_sequences)) * parallel.dp_size(),
+        "optimizer_steps": float(len(steps)),
         "lr": run.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
         # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
         "state_bytes": float(sum(run.optimizer.state_bytes().values())),
-        **{k: v for k, v in loss_metrics.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction", "kl")},
+        **{k: v for k, v in control.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction",
+                                                       "dual_clip_fraction", "ratio_mean", "ratio_max", "kl")},
     }
+
+
+def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs) -> dict:
+    """One KL-controlled optimizer step on a minibatch: the policy loss's backward, then the
+    controller's propose -> forecast -> scale -> commit (nothing committed when the loss is not
+    finite). Returns the loss's metrics and the controller's."""
+    config, ddp = run.config, run.ddp
+    micro = min(config.run.micro_batch_size, rollouts.num_sequences)
+    ddp.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
+                                        ref_logprobs=ref_logprobs, temperature=config.sampling.temperature,
+                                        vocab_size=run.vocab)
+    loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
+    if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
+        # The KL probe: completions spread over the minibatch's prompts, and rows it does not
+        # see for the realized KL out of sample.
+        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
+        control = run.controller.step(ddp, run.optimizer, probe, held_out)
+    else:  # a non-finite loss: no step (the gradients are cleared before the next backward)
+        control = dict(SKIPPED_STEP)
+    # The optimizer's own view of the step's gradient norms (LoGRA: with the estimate outside
+    # the sketch, what clipping used) replaces the controller's when the step ran.
+    diagnostics = run.optimizer.diagnostics() if control["grad_norm"] is not None else {}
+    return {**loss_metrics, **control, **diagnostics}
 
 
 def count_skips(run: Run, skipped: bool) -> None:
@@ -342,13 +379,15 @@ def write_summary(run: Run, finished: bool) -> dict:
 
 # --- helpers -----------------------------------------------------------------------------------
 
-def supervised_batch(records, tokenizer, seq_length):
-    """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS."""
+def supervised_batch(records, tokenizer, seq_length, prompt_format: Optional[PromptFormat] = None):
+    """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS; the prompt
+    and the answer as ``prompt_format`` shows them (default: bare problem text and answer)."""
     tokens = torch.full((len(records), seq_length), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros(len(records), seq_length)
     for row, record in enumerate(records):
-        prompt = tokenizer.encode(record["prompt"])
-        answer = tokenizer.encode(record["answer"]) + [tokenizer.eos_id]
+        prompt = tokenizer.encode(prompt_format.prompt(record) if prompt_format else record["prompt"])
+        reply = prompt_format.reply(record) if prompt_format else record["answer"]
+        answer = tokenizer.encode(reply) + [tokenizer.eos_id]
         ids = (prompt + answer)[:seq_length]
         tokens[row, : len(ids)] = torch.tensor(ids)
         mask[row, len(prompt) : len(ids)] = 1.0

@@ -131,3 +131,11 @@ class Rollouts:
 
     def completions(self) -> List[List[int]]:
         return [self.completion(row) for row in range(self.num_sequences)]
+
+    def select(self, rows: torch.Tensor) -> "Rollouts":
+        """The rows ``rows`` (an index tensor) as a batch of their own, same columns."""
+        per_row = {name: getattr(self, name)[rows] for name in (
+            "tokens", "attention_mask", "response_mask", "position_ids", "prompt_lengths",
+            "response_lengths", "finished", "prompt_index")}
+        logprobs = None if self.logprobs is None else self.logprobs[rows]
+        return Rollouts(**per_row, prompt_width=self.prompt_width, steps=self.steps, logprobs=logprobs)

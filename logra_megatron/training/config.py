@@ -3,6 +3,8 @@ the predicted-KL controller. Each default is written once, here; the flags come 
 fields (logra_megatron/schema.py)."""
 
 from dataclasses import dataclass
+from typing import Optional
+
 from logra_megatron.errors import UserError
 from logra_megatron.schema import option
 
@@ -10,6 +12,8 @@ OPTIMIZERS = ("adam", "logra")
 """Names of the optimizer registry (training/optimizer.py) that ``--optimizer`` accepts."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_MODES = ("off", "probe", "linear")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,10 @@ class KLControlConfig:
     realized_interval: int = option(5, flag="--kl-realized-interval",
                                     help="every N steps measure the KL of the committed update on batch rows "
                                          "the probe did not see (0 = never)")
-    max_scale: float = option(1.0, flag="--kl-max-scale",
-                              help="largest step scale: above 1 a step whose forecast is below the target "
-                                   "grows up to this factor (the reference implementation allows 3)")
+    max_scale: Optional[float] = option(
+        None, flag="--kl-max-scale",
+        help="largest step scale: above 1 a step whose forecast is below the target grows up to this factor "
+             "(default: the update rule's: 1, or 3 with --logra-update rowadam, as the reference implementation)")
     linear_epsilon: float = 1e-3
     """Finite-difference step (a fraction of D) of the linear forecast."""
     max_refinements: int = 4
@@ -95,7 +100,7 @@ class KLControlConfig:
             raise UserError(f"--kl-target must be > 0, got {self.target}")
         if self.probe_sequences < 1:
             raise UserError(f"--kl-probe-sequences must be >= 1, got {self.probe_sequences}")
-        if not self.max_scale >= 1.0:
+        if self.max_scale is not None and not self.max_scale >= 1.0:
             raise UserError(f"--kl-max-scale must be >= 1, got {self.max_scale}")
         if self.realized_interval < 0:
             raise UserError(f"--kl-realized-interval must be >= 0, got {self.realized_interval}")
@@ -103,3 +108,68 @@ class KLControlConfig:
             raise UserError(f"linear_epsilon must be in (0, 1], got {self.linear_epsilon}")
         if self.max_refinements < 0 or self.tolerance < 1:
             raise UserError("max_refinements must be >= 0 and tolerance >= 1")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recomputation, Megatron's flags with Megatron's meanings: ``selective`` keeps
+    every layer's activations except core attention's (the ``b x heads x s x s`` scores and
+    their softmax), recomputed in the backward; ``full`` keeps only the input of each group of
+    ``--recompute-num-layers`` layers (``uniform``) or of the first ``--recompute-num-layers``
+    layers of every pipeline stage (``block``) and reruns their forward in the backward. The
+    numbers the backward sees are the same as without recomputation; only memory and time
+    change (and no checkpoint does)."""
+
+    granularity: Optional[str] = option(
+        None, flag="--recompute-granularity", choices=RECOMPUTE_GRANULARITIES,
+        help="recompute activations in the backward: selective (core attention) or full "
+             "(whole layers, see --recompute-method); default: keep all activations")
+    method: Optional[str] = option(
+        None, flag="--recompute-method", choices=RECOMPUTE_METHODS,
+        help="with --recompute-granularity full: uniform (every group of --recompute-num-layers "
+             "layers keeps only its input) or block (the first --recompute-num-layers layers of "
+             "each pipeline stage are recomputed, the rest keep their activations)")
+    num_layers: Optional[int] = option(
+        None, flag="--recompute-num-layers",
+        help="with --recompute-granularity full: layers per recomputed group (uniform) or "
+             "recomputed layers per pipeline stage (block)")
+
+    def __post_init__(self):
+        # Megatron's rules (TransformerConfig.__post_init__, and its training arguments for
+        # selective), checked here so a bad combination is one line before anything is built.
+        if self.granularity is not None and self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise UserError(f"--recompute-granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
+                            f"got {self.granularity!r}")
+        if self.method is not None and self.method not in RECOMPUTE_METHODS:
+            raise UserError(f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, got {self.method!r}")
+        if self.granularity is None:
+            if self.method is not None or self.num_layers is not None:
+                raise UserError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        elif self.granularity == "selective":
+            if self.method is not None or self.num_layers is not None:
+                raise UserError("--recompute-granularity selective recomputes core attention in every layer: "
+                                "it takes no --recompute-method or --recompute-num-layers")
+        else:
+            if self.method is None or self.num_layers is None:
+                raise UserError("--recompute-granularity full needs --recompute-method {uniform,block} "
+                                "and --recompute-num-layers N")
+            if self.num_layers < 1:
+                raise UserError(f"--recompute-num-layers must be >= 1, got {self.num_layers}")
+
+    def check_layers(self, layers_per_stage: int) -> None:
+        """``--recompute-num-layers`` against the layers one pipeline stage holds: at most that
+        many, and a divisor of it for ``uniform`` (Megatron would index past the stage's last
+        layer)."""
+        if self.granularity != "full":
+            return
+        if self.num_layers > layers_per_stage:
+            raise UserError(f"--recompute-num-layers {self.num_layers} exceeds the {layers_per_stage} layers "
+                            f"of a pipeline stage")
+        if self.method == "uniform" and layers_per_stage % self.num_layers:
+            raise UserError(f"--recompute-method uniform: --recompute-num-layers {self.num_layers} must divide "
+                            f"the {layers_per_stage} layers of a pipeline stage")
+
+    def transformer_kwargs(self) -> dict:
+        """The fields of Megatron's ``TransformerConfig`` these settings set."""
+        return {"recompute_granularity": self.granularity, "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}

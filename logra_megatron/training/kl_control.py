@@ -19,9 +19,10 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    is never gathered. The scalar is computed on the last pipeline stage, broadcast over the
    pipeline and averaged over data-parallel replicas, so every rank agrees.
 3. ``s = min(max_scale, sqrt(kl_target / KL_pred))`` (KL is quadratic in the step near zero;
-   ``--kl-max-scale`` > 1 lets a step that forecasts below the target grow). Far from zero KL
-   grows slower than quadratically (measured on ``tiny``: KL(D) was 0.10 where the quadratic
-   extrapolation of small steps gave 0.72), so ``probe`` mode re-forecasts at ``s D`` and
+   ``--kl-max-scale`` > 1 lets a step that forecasts below the target grow; unset, it is the
+   optimizer's ``kl_max_scale`` where it has one: 3 for LoGRA's ``rowadam`` rule, else 1). Far
+   from zero KL grows slower than quadratically (measured on ``tiny``: KL(D) was 0.10 where the
+   quadratic extrapolation of small steps gave 0.72), so ``probe`` mode re-forecasts at ``s D`` and
    rescales with the locally measured growth exponent while the forecast misses the target by
    more than ``tolerance`` (at most ``max_refinements`` extra forecasts).
 4. ``optimizer.commit(s)``. No master copy is ever read back from rounded model weights.
@@ -142,10 +143,19 @@ class PredictedKLController:
             return scale**2 * unit
         return self.kl(model, optimizer, probe, scale)
 
-    def _scale_for(self, kl: float) -> float:
-        if kl <= 0:
+    def max_scale(self, optimizer) -> float:
+        """``--kl-max-scale``, or when it is not given the optimizer's own cap (an optional
+        attribute, ``kl_max_scale``: LoGRA's update rule decides it), or 1."""
+        if self.config.max_scale is not None:
             return self.config.max_scale
-        return min(self.config.max_scale, math.sqrt(self.config.target / kl))
+        return float(getattr(optimizer, "kl_max_scale", 1.0))
+
+    def _scale_for(self, kl: float, max_scale: Optional[float] = None) -> float:
+        if max_scale is None:
+            max_scale = self.max_scale(None)
+        if kl <= 0:
+            return max_scale
+        return min(max_scale, math.sqrt(self.config.target / kl))
 
     def _refine(self, model, optimizer, probe, scale: float, kl_full: float) -> float:
         """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
@@ -200,7 +210,7 @@ class PredictedKLController:
                 return {"success": False, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": 0.0,
                         "kl_realized": None, "controller_time_s": time.perf_counter() - start,
                         "controller_extra_bytes": 0}
-            scale = self._scale_for(kl_pred)
+            scale = self._scale_for(kl_pred, self.max_scale(optimizer))
             if config.mode == "probe" and scale != 1.0:
                 scale = self._refine(model, optimizer, probe, scale, kl_pred)
         kl_realized = None

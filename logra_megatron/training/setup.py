@@ -16,21 +16,24 @@ from logra_megatron.logra import LogRAConfig, logra_layer_spec
 from logra_megatron.logra.embeddings import sketch_embeddings
 from logra_megatron.models import ModelConfig, build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.weights import initialize_layout_independent
-from logra_megatron.training.config import OptimizerSettings
+from logra_megatron.training.config import OptimizerSettings, RecomputeConfig
 from logra_megatron.training.optimizer import TrainingOptimizer, build_optimizer
 
 
 def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     logra_config: Optional[LogRAConfig] = None, dtype=torch.float32,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-                    seed: int = 1234):
+                    seed: int = 1234, recompute: Optional[RecomputeConfig] = None):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a
     :class:`~logra_megatron.training.optimizer.TrainingOptimizer`). The fresh weights are a
-    function of ``seed`` alone, the same at every TP/PP layout."""
+    function of ``seed`` alone, the same at every TP/PP layout. ``recompute``: activation
+    recomputation in the backward (default: none)."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(model_config, tp, pp, dtype=dtype)
+    recompute = recompute or RecomputeConfig()
+    recompute.check_layers(model_config.layers // pp)
+    config = transformer_config(model_config, tp, pp, dtype=dtype, **recompute.transformer_kwargs())
     spec = logra_layer_spec() if settings.kind == "logra" else gpt_layer_spec(use_transformer_engine=False)
     model = build_gpt_model(model_config, config, spec)
     initialize_layout_independent(model, model_config.vocab, seed)

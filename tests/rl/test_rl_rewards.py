@@ -7,10 +7,15 @@ import pytest
 from logra_megatron.errors import UserError
 from logra_megatron.rl.rewards import (
     available_rewards,
+    check_reward_fits_task,
+    code_block,
+    code_tests_program,
     ends_with_marked_answer,
     extract_final_answer,
     get_reward,
     register_reward,
+    reward_needs,
+    same_answer,
     weighted_reward,
 )
 from logra_megatron.rl.tasks import ArithmeticTasks, make_tasks
@@ -192,3 +197,52 @@ def test_arithmetic_partial_reward_on_right_wrong_and_malformed_completions():
     assert reward(record, "7") == 0.0  # wrong length
     assert reward(record, "1x") == 0.0  # not a number
     assert reward(record, "") == 0.0
+
+
+# --- final answer (chat-form short answers) ---------------------------------------------------
+
+@pytest.mark.parametrize("completion,expected", [
+    ("12 + 7 is \\boxed{19}.", 1.0), ("\\boxed{19.0}", 1.0), ("<answer> 19 </answer>", 1.0),
+    ("I get 18, no wait: 19", 1.0), ("\\boxed{18}", 0.0), ("\\boxed{19} or \\boxed{20}", 0.0), ("", 0.0),
+    ("nineteen", 0.0),
+])
+def test_final_answer(completion, expected):
+    assert get_reward("final_answer")(ARITHMETIC, completion) == expected
+
+
+def test_same_answer_compares_text_or_numbers():
+    assert same_answer("1,000", "1000") and same_answer("0.50", ".5") and same_answer("$x+1$", "x+1")
+    assert not same_answer("1000", "100") and not same_answer(None, "1") and not same_answer("1e400", "1e401")
+
+
+def test_rewards_say_what_they_need_from_a_task():
+    assert reward_needs("exact_match") == {"answer"} and reward_needs("code_tests") == {"tests"}
+    assert reward_needs("format") == frozenset() and reward_needs("chain_sum") == {"reasoning_gym:chain_sum"}
+    check_reward_fits_task("chain_sum", "chain_sum", frozenset({"answer", "reasoning_gym", "reasoning_gym:chain_sum"}))
+    with pytest.raises(UserError, match="--reward chain_sum cannot score --task gsm_symbolic"):
+        check_reward_fits_task("chain_sum", "gsm_symbolic", frozenset({"reasoning_gym", "reasoning_gym:gsm_symbolic"}))
+    with pytest.raises(UserError, match="did you mean chain_sum"):
+        get_reward("chain_summ")
+
+
+# --- code blocks (chat-form code completions) -------------------------------------------------
+
+def test_code_block_prefers_the_block_that_defines_the_entry_point():
+    text = "Use it like:\n```python\nprint(add(1, 2))\n```\nwhere\n```py\ndef add(a, b):\n    return a + b\n```\n"
+    assert code_block(text, "add") == "def add(a, b):\n    return a + b\n"
+    assert code_block(text, None) == "def add(a, b):\n    return a + b\n"  # the last block
+    assert code_block("```\nx = 1\n```", "f") == "x = 1\n"
+    assert code_block("```python\ndef f():\n    return 1", "f") == "def f():\n    return 1"  # cut off
+    assert code_block("    return a + b\n", "add") is None  # a bare continuation
+
+
+def test_code_tests_program_with_a_code_block_keeps_the_prompts_imports():
+    record = {"prompt": "from math import sqrt\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+              "metadata": {"test": "def check(f):\n    assert f(9) == 3\n", "entry_point": "root",
+                           "include_prompt": True}}
+    reply = "Sure:\n```python\ndef root(x):\n    return sqrt(x)\n```"
+    program = code_tests_program(record, reply)
+    assert program.startswith(record["prompt"] + "\ndef root(x):\n    return sqrt(x)\n") and "Sure" not in program
+    assert get_reward("code_tests")(record, reply) == 1.0
+    assert get_reward("code_tests")(record, reply.replace("sqrt(x)", "x / 2")) == 0.0
+    assert get_reward("code_tests")(record, "    return sqrt(x)\n") == 1.0  # bare continuation, as before

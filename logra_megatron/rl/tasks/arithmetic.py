@@ -1,43 +1,29 @@
-"""Prompt sources for RL: a tiny arithmetic task and offline reasoning-gym tasks.
+"""The embedded default task: ``a<op>b=`` arithmetic with a bare integer answer.
 
-Every task yields *prompt records*, plain dicts that the rollout and reward code pass around::
+It must be learnable by a ~180k-parameter model with a character-level tokenizer in minutes on
+a CPU, so prompts are short (``"12+7="``) and the answer is the bare integer. Choices:
 
-    {"prompt": "12+7=", "answer": "19", "task": "arithmetic", "metadata": {...}}
-
-``prompt`` is the text the policy continues, ``answer`` the reference the reward compares
-against, ``task`` the generator's name, ``metadata`` whatever the generator knows about the
-problem (reasoning-gym's ``score_answer`` reads it). A record may also carry ``answer_pattern``,
-a regular expression the whole (stripped) completion must match to count as well formatted
-(see the ``format`` reward).
-
-The arithmetic task is the embedded default: it must be learnable by a ~180k-parameter model
-with a character-level tokenizer in minutes on a CPU, so prompts are short (``"12+7="``) and
-the answer is the bare integer. Choices:
-
-- **Held-out split by hashing, not by enumeration.** A problem is held out when a hash of
-  ``(split_seed, prompt)`` falls below ``held_out_fraction``. Membership is a pure function of
-  the prompt, so training sampling can reject held-out problems for any operand range (no
-  table of all problems), and the split does not move when the training ``seed`` changes.
+- **Held-out split by hashing, not by enumeration** (tasks/split.py): training sampling rejects
+  held-out problems for any operand range, and the split does not move when ``seed`` changes.
 - **Training batches are a function of (seed, step).** ``train_prompts(n, step)`` draws from a
-  generator seeded by both, so a resumed run sees the same prompts it would have seen, and two
-  data-parallel ranks can each draw their own share by passing distinct steps or offsets.
+  generator seeded by both, so a resumed run sees the same prompts it would have seen.
 - **Subtraction stays non-negative by default** (operands ordered larger first), which keeps
   answers and the vocabulary a model must learn small; ``allow_negative`` lifts it.
-
-reasoning-gym tasks (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic``, ...) are generated
-offline from a seed by :func:`make_tasks`; reasoning-gym is imported lazily (it takes seconds).
 """
 
-import hashlib
 import random
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import option
+from logra_megatron.rl.tasks.base import PROVIDES_ANSWER, TaskSource
+from logra_megatron.rl.tasks.split import in_held_out_split
 
 ARITHMETIC_TASK = "arithmetic"
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+SUPPLY_COUNTED_UP_TO = 100_000
+"""check_supply counts the problems on each side of the split exactly when there are at most
+this many (a few ms); above, a run asks for far fewer than exist."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +32,14 @@ class ArithmeticTaskConfig:
 
     min_operand: int = 0
     """Smallest operand (inclusive). Negative operands are allowed but make prompts longer."""
-    max_operand: int = option(19, help="the arithmetic task's largest operand (operands 0..N); 99 gives "
-                              "2-digit problems such as 12+7=")
+    max_operand: int = 19
+    """Largest operand (``--max-operand``)."""
     operations: tuple = ("+", "-")
     """Operators to draw from, any of ``+``, ``-``, ``*``."""
     allow_negative: bool = False
     """Allow negative results of subtraction; when False the larger operand comes first."""
-    held_out_fraction: float = option(0.3, help="share of the arithmetic problems held out for evaluation "
-                                      "(never trained on)")
+    held_out_fraction: float = 0.3
+    """Share of the problems held out for evaluation (``--held-out-fraction``)."""
     split_seed: int = 0
     """Seeds the train/held-out partition (independent of ``seed`` so the split is stable)."""
     seed: int = 0
@@ -87,8 +73,10 @@ class ArithmeticTaskConfig:
         return width * width * len(self.operations)
 
 
-class ArithmeticTasks:
+class ArithmeticTasks(TaskSource):
     """Seeded generator of ``a<op>b=`` problems with a disjoint held-out split."""
+
+    name = ARITHMETIC_TASK
 
     def __init__(self, config: Optional[ArithmeticTaskConfig] = None):
         self.config = config or ArithmeticTaskConfig()
@@ -104,9 +92,16 @@ class ArithmeticTasks:
         }
 
     def is_held_out(self, prompt: str) -> bool:
-        """Whether a prompt belongs to the held-out split (a pure function of the prompt)."""
-        digest = hashlib.sha256(f"{self.config.split_seed}|{prompt}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") < self.config.held_out_fraction * 2.0**64
+        return in_held_out_split(prompt, self.config.held_out_fraction, self.config.split_seed)
+
+    def default_reward(self, chat: bool) -> str:
+        # Bare prompts: the completion is the number and must stop there. In chat form the model
+        # states its answer in \boxed{} after whatever it writes first.
+        return "final_answer" if chat else "exact_match"
+
+    @property
+    def provides(self) -> frozenset:
+        return frozenset({PROVIDES_ANSWER})
 
     def _random_problem(self, rng: random.Random) -> dict:
         cfg = self.config
@@ -157,6 +152,39 @@ class ArithmeticTasks:
         """The config as a plain dict (for hashing and logging)."""
         return asdict(self.config)
 
+    def all_prompts(self) -> set:
+        """Every distinct problem text of the configured range."""
+        cfg, prompts = self.config, set()
+        for a in range(cfg.min_operand, cfg.max_operand + 1):
+            for b in range(cfg.min_operand, cfg.max_operand + 1):
+                for op in cfg.operations:
+                    first, second = (b, a) if op == "-" and not cfg.allow_negative and a < b else (a, b)
+                    prompts.add(self.record(first, op, second)["prompt"])
+        return prompts
+
+    def check_supply(self, needs: list) -> None:
+        """Counted exactly (not by sampling) for ranges of up to :data:`SUPPLY_COUNTED_UP_TO`
+        problems, so the message can say how many there are."""
+        cfg = self.config
+        if cfg.num_problems > SUPPLY_COUNTED_UP_TO:
+            have = {"held-out": cfg.num_problems, "training": cfg.num_problems}  # upper bounds
+        else:
+            prompts = self.all_prompts()
+            held_out = sum(self.is_held_out(prompt) for prompt in prompts)
+            have = {"held-out": held_out, "training": len(prompts) - held_out}
+        for side, what, count in needs:
+            if count > have[side]:
+                raise UserError(
+                    f"{what} asks for {count} distinct {side} problems, but the arithmetic task has only "
+                    f"{have[side]} (--max-operand {cfg.max_operand}, --held-out-fraction "
+                    f"{cfg.held_out_fraction}); ask for fewer or raise --max-operand")
+
+    def length_probe(self, eval_count: int, batch: int) -> list:
+        """The widest problems: every operation on the extreme operands."""
+        cfg = self.config
+        extremes = (cfg.min_operand, cfg.max_operand)
+        return [self.record(a, op, b) for a in extremes for b in extremes for op in cfg.operations]
+
 
 TOKENIZER_CORPUS_TASK = ArithmeticTaskConfig(max_operand=99, held_out_fraction=0.1)
 """The text the embedded character-level tokenizer is trained on: 2-digit arithmetic, whose
@@ -167,46 +195,3 @@ TOKENIZER_CORPUS_SAMPLES = 2000
 def tokenizer_corpus() -> list:
     """Training text of the embedded tokenizer (``prompt + answer`` lines)."""
     return ArithmeticTasks(TOKENIZER_CORPUS_TASK).text_samples(TOKENIZER_CORPUS_SAMPLES)
-
-
-def make_tasks(task_name: str, n: int, seed: int, **task_kwargs) -> list:
-    """``n`` prompt records of a task, generated offline and deterministically from ``seed``.
-
-    ``task_name`` is ``"arithmetic"`` (``task_kwargs`` are :class:`ArithmeticTaskConfig`
-    fields; training-split problems are returned) or any reasoning-gym dataset name such as
-    ``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` (``task_kwargs`` go to that
-    dataset's config, e.g. ``min_terms=2, max_terms=3``). Two different seeds of a
-    reasoning-gym task may repeat a question when its problem space is small.
-    """
-    if n < 0:
-        raise UserError(f"number of tasks must be >= 0, got {n}")
-    if task_name == ARITHMETIC_TASK:
-        try:
-            config = ArithmeticTaskConfig(seed=seed, **task_kwargs)
-        except TypeError as error:
-            raise UserError(f"bad option for the arithmetic task: {error}") from None
-        return ArithmeticTasks(config).train_prompts(n) if n else []
-    return _reasoning_gym_tasks(task_name, n, seed, task_kwargs)
-
-
-def _reasoning_gym_tasks(task_name: str, n: int, seed: int, task_kwargs: dict) -> list:
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
-    if task_name not in DATASETS:
-        raise UserError(
-            f"unknown task {task_name!r}; use {ARITHMETIC_TASK!r} or a reasoning-gym dataset "
-            f"such as basic_arithmetic, chain_sum, gsm_symbolic "
-            f"({len(DATASETS)} are registered in reasoning_gym.factory.DATASETS)"
-        )
-    if n == 0:
-        return []
-    try:
-        dataset = reasoning_gym.create_dataset(task_name, size=n, seed=seed, **task_kwargs)
-    except (TypeError, ValueError, AssertionError) as error:
-        raise UserError(f"bad options {task_kwargs} for reasoning-gym task {task_name!r}: {error}") from None
-    return [
-        {"prompt": entry["question"], "answer": entry["answer"], "task": task_name,
-         "metadata": entry["metadata"]}
-        for entry in dataset
-    ]

@@ -1,0 +1,839 @@
+"""The transient memory of one training step on one rank, from :class:`PlanSettings` alone.
+
+:func:`activation_bytes` replays, tensor by tensor, the allocations and frees of one step as the
+code here runs it (``tools/benchmark_optimizer.py``'s step: ``lm_forward_backward`` through
+Megatron's schedule, then the KL controller around the optimizer) and returns its peak beyond
+what was live before the step, ``peak_step_bytes`` (what ``platform/memory.py:
+AllocationTracker`` measures), with the bytes live at that moment by component.
+
+The replay follows the code, not a rule of thumb (``T = b x s`` tokens of a microbatch, ``e`` the
+bytes of the run's dtype, ``n``/``g``/``f``/``V`` the heads, kv heads, FFN width and padded
+vocabulary on this TP rank, ``d`` the head dimension):
+
+- **A layer's saved tensors** (Megatron's local layer spec, unfused attention): per RMSNorm the
+  fp32 input (the residual itself in fp32, a copy in bf16), the fp32 normalized input, the output
+  (``e``) and the fp32 ``1/rms`` per token; the rotated query, the key and value repeated to
+  ``n`` heads (GQA; without GQA the key and the whole QKV output, of which the value is a view),
+  the ``cos``/``sin`` tables of both rotations, the softmax output ``b n s s`` in fp32 (plus its
+  ``e`` copy in bf16, which the context product saves), the contiguous context; the SwiGLU MLP's
+  fc1 output ``2f``, ``silu``, the linear half + offset and their product (``5 T f``). In fp32
+  the residual stream is saved as the next norm's input; in bf16 the norm keeps its own fp32 copy
+  and the residual lives only until the next residual add.
+- **Recomputation**: ``selective`` drops the scores' softmax (core attention keeps its inputs:
+  q, the un-repeated key and the QKV output the value is a view of); ``full`` keeps only the
+  input of each recomputed group (``uniform``) or of each of the first N layers (``block``), and
+  the backward re-runs the group's forward (its saved tensors live while it is differentiated).
+- **The last stage**: the final norm, the logits ``T x V`` (``e``), Megatron's vocab-parallel
+  cross entropy on an fp32 copy (in place: its softmax becomes the logits' gradient), the
+  per-token loss.
+- **The schedule**: PP = 1 runs microbatches one at a time; 1F1B holds up to ``pp - stage``
+  microbatches' saved tensors on stage ``stage``, plus each one's received input (and, on the
+  CPU, where Megatron does not deallocate pipeline outputs, its sent output) until its backward.
+- **The backward**, op by op: the gradients each op allocates while the layer's saved tensors
+  are freed as their last user runs (the peak is usually the output layer's backward, or a
+  layer's attention backward: gradients of the ``b n s s`` scores twice).
+- **The optimizer** (after the backward freed everything): torch's single-tensor AdamW on the
+  CPU allocates ``sqrt(v)`` and its quotient per parameter (two of the largest parameter);
+  clipping multiplies a copy per parameter; LoGRA reduces its sketches (a copy at ZeRO-1),
+  takes their norm in fp64 (two fp64 copies), and its AdamW direction ``U`` (two sketch-sized
+  temporaries, ``U`` itself held to the commit), commits in row blocks.
+- **The KL controller** (``probe``/``linear``): the dense optimizer's fp32 mains before and after
+  its step (held from propose to commit), ``U``, and forward-only probe passes of one probe
+  microbatch each: two microbatches of logits (``old``, ``new``) and the full-vocabulary KL's
+  fp32 temporaries (seven of the logits' size), no saved activations.
+
+Platforms. ``platform="cuda"`` is what a GPU with the local spec allocates; ``"cpu"`` is what the
+CPU tracker records here: bf16 matrix products are computed in fp32 from widened inputs
+(logra_megatron/platform/cpu_adapter.py: the widened inputs and the fp32 product are transient),
+pipeline outputs are not deallocated after their send, and the tracker sees the norm probes
+LoGRA draws anew each step but not the frees of the previous step's (their bytes count in
+full). On a GPU with Transformer Engine / flash attention the ``b n s s`` terms disappear (the
+attention kernel keeps only its output and the per-row softmax statistics), RMSNorm saves only
+its input and ``1/rms``, and fused SwiGLU saves only the fc1 output; this module models the local
+spec, which is what runs here.
+"""
+
+from dataclasses import dataclass
+from typing import Dict
+
+from logra_megatron.errors import UserError
+from logra_megatron.planning import state as state_model
+from logra_megatron.planning.settings import PlanSettings
+
+FP32 = 4
+FP64 = 8
+INT64 = 8
+PLATFORMS = ("cuda", "cpu")
+
+COMPONENTS = ("saved_activations_bytes", "recompute_bytes", "logits_bytes", "forward_temporaries_bytes",
+              "backward_temporaries_bytes", "pipeline_buffers_bytes", "batch_bytes", "optimizer_temporaries_bytes",
+              "controller_copies_bytes", "proposal_update_bytes", "probe_bytes", "norm_probe_redraw_bytes")
+"""What is live at the step's peak, by component (their sum is ``peak_step_bytes``)."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Shapes of one microbatch on one rank."""
+
+    b: int
+    s: int
+    h: int
+    n: int
+    """Query heads on this TP rank."""
+    g: int
+    """Key/value heads on this TP rank."""
+    d: int
+    f: int
+    """SwiGLU width on this TP rank (each half)."""
+    vocab: int
+    """Padded vocabulary rows on this TP rank."""
+    e: int
+    """Bytes per element of the run's dtype."""
+    widened: bool
+    """bf16 products computed in fp32 (the CPU adapter)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def scores(self) -> int:
+        """Elements of one layer's attention scores ``b x n x s x s``."""
+        return self.b * self.n * self.s * self.s
+
+
+class Timeline:
+    """Allocations and frees of named blocks in program order; keeps the peak and what was live
+    at it, by component."""
+
+    def __init__(self):
+        self.live: Dict[object, tuple] = {}
+        self.current = 0
+        self.peak = 0
+        self.at_peak: Dict[str, int] = {}
+        self.phase = "step"
+        self.phase_peaks: Dict[str, int] = {}
+
+    def _check(self) -> None:
+        if self.current > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.current
+        if self.current > self.peak:
+            self.peak = self.current
+            shown: Dict[str, int] = {}
+            for nbytes, component in self.live.values():
+                shown[component] = shown.get(component, 0) + nbytes
+            self.at_peak = shown
+
+    def alloc(self, key, nbytes: int, component: str) -> None:
+        if key in self.live:
+            raise AssertionError(f"block {key!r} allocated twice")
+        if nbytes <= 0:
+            return
+        self.live[key] = (nbytes, component)
+        self.current += nbytes
+        self._check()
+
+    def free(self, *keys) -> None:
+        for key in keys:
+            block = self.live.pop(key, None)
+            if block is not None:
+                self.current -= block[0]
+
+    def moment(self, nbytes: int, component: str) -> None:
+        """A temporary that lives for one op (allocated and freed before the next)."""
+        key = ("moment", len(self.live), self.current)
+        self.alloc(key, nbytes, component)
+        self.free(key)
+
+    def has(self, key) -> bool:
+        return key in self.live
+
+
+class _Step:
+    """One training step on the rank of pipeline stage ``stage`` (see the module docstring)."""
+
+    def __init__(self, settings: PlanSettings, stage: int, platform: str):
+        model, tp = settings.model, settings.tensor_parallel
+        self.settings = settings
+        self.platform = platform
+        self.stage = stage
+        self.first = stage == 0
+        self.last = stage == settings.pipeline_parallel - 1
+        self.layers = settings.model.layers // settings.pipeline_parallel
+        e = settings.weight_bytes_per_element
+        self.dims = Dims(b=settings.micro_batch_size, s=settings.seq_length, h=model.hidden,
+                         n=model.heads // tp, g=model.kv_heads // tp, d=model.kv_channels,
+                         f=model.ffn_hidden // tp, vocab=model.padded_vocab(tp) // tp, e=e,
+                         widened=settings.bf16 and platform == "cpu")
+        self.params = state_model.parameter_shapes(settings, stage)
+        self.logra = settings.optimizer == "logra"
+        self.sketched = {p.name.split(".")[-2] for p in self.params if p.sketch_side is not None}
+        self.timeline = Timeline()
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _product(self, tokens_in: int, weight_numel: int, tokens_out: int) -> None:
+        """A bf16 product on the CPU: widened inputs and the fp32 product exist for one op."""
+        if self.dims.widened:
+            self.timeline.moment((tokens_in + weight_numel + tokens_out) * FP32, "forward_temporaries_bytes")
+
+    def _linear_backward(self, key, rows_in: int, rows_out: int, width_in: int, width_out: int, slot: str) -> None:
+        """Backward of a linear layer ``[T, in] -> [T, out]``: allocates the input gradient
+        ``key``; the weight gradient (dense) or the sketch products (LoGRA) are temporaries."""
+        tl, dims = self.timeline, self.dims
+        tokens = dims.tokens
+        weight = width_in * width_out
+        if dims.widened:  # dgrad: grad_output and weight widened, fp32 product
+            tl.moment((tokens * width_out + weight + tokens * width_in) * FP32, "backward_temporaries_bytes")
+        tl.alloc(key, tokens * width_in * dims.e, "backward_temporaries_bytes")
+        if self.logra and slot in self.sketched:
+            rank = self._rank_of(slot)
+            probes = self._norm_probes()
+            widened = (tokens * (width_in + width_out) * FP32) if dims.e != FP32 else 0
+            tl.moment(widened + tokens * max(rank, probes) * FP32, "backward_temporaries_bytes")
+        elif dims.widened:  # widened grad_output and input, the fp32 product; then its bf16 copy
+            tl.moment(max((tokens * width_out + tokens * width_in + weight) * FP32, weight * (FP32 + dims.e)),
+                      "backward_temporaries_bytes")
+        else:  # the weight gradient, added into the fp32 gradient buffer
+            tl.moment(weight * dims.e, "backward_temporaries_bytes")
+
+    def _rank_of(self, slot: str) -> int:
+        for param in self.params:
+            if param.sketch_side is not None and param.name.split(".")[-2] == slot:
+                return state_model.sketch_rank(self.settings, param)
+        return 0
+
+    def _norm_probes(self) -> int:
+        logra = self.settings.logra
+        if logra.identity_projection or logra.update == "rowadam":
+            return 0
+        return logra.norm_probes
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def _norm_forward(self, key, x_key, saved: bool) -> None:
+        """RMSNorm of the residual ``x_key``: fp32 input (a copy in bf16), fp32 normalized
+        input, output, fp32 1/rms; a squared-input temporary."""
+        tl, dims = self.timeline, self.dims
+        th = dims.tokens * dims.h
+        comp = "saved_activations_bytes" if saved else "forward_temporaries_bytes"
+        if dims.e != FP32:
+            tl.alloc(key + ("x32",), th * FP32, comp)
+        tl.moment(th * FP32, "forward_temporaries_bytes")
+        tl.alloc(key + ("rstd",), dims.tokens * FP32, comp)
+        tl.alloc(key + ("normed",), th * FP32, comp)
+        tl.alloc(key + ("out",), th * dims.e, comp)
+        if not saved:
+            tl.free(key + ("x32",), key + ("rstd",), key + ("normed",))
+
+    def _layer_forward(self, mb, layer, x_key, saved: bool, attention_saved: bool):
+        """One transformer layer; returns the key of its output. ``saved``: autograd keeps what
+        the backward needs (False: no_grad, or inside a full-recompute checkpoint's first run);
+        ``attention_saved``: False under selective recompute."""
+        tl, d = self.timeline, self.dims
+        e, T = d.e, d.tokens
+        p = ("layer", mb, layer)
+        comp = "saved_activations_bytes" if saved else "forward_temporaries_bytes"
+        self._norm_forward(p + ("ln1",), x_key, saved)
+        qkv = (d.n + 2 * d.g) * d.d
+        self._product(T * d.h, qkv * d.h, T * qkv)
+        tl.alloc(p + ("qkv",), T * qkv * e, comp)
+        tl.free(p + ("ln1", "out")) if not saved else None
+        # Rotary embedding of q and k: t*cos + rotate_half(t)*sin, then cat with the (empty) pass part.
+        for name, heads in (("q", d.n), ("k", d.g)):
+            tl.moment(3 * T * heads * d.d * e, "forward_temporaries_bytes")
+            tl.alloc(p + ("rope", name), 2 * d.s * d.d * e, comp)
+            tl.alloc(p + (name,), T * heads * d.d * e, comp)
+        gqa = d.n > d.g
+        core_saved = saved and attention_saved
+        if gqa:
+            tl.alloc(p + ("k_rep",), T * d.n * d.d * e, comp if core_saved else "forward_temporaries_bytes")
+            tl.alloc(p + ("v_rep",), T * d.n * d.d * e, comp if core_saved else "forward_temporaries_bytes")
+            if core_saved:  # the repeated copies are what the products save
+                tl.free(p + ("k",), p + ("qkv",))
+        # scores = baddbmm(q, k^T) (fp32 or e), softmax in fp32, dropout(p=0) is the identity.
+        self._product(2 * T * d.n * d.d, 0, d.scores)
+        tl.alloc(p + ("scores",), d.scores * e, "forward_temporaries_bytes")
+        if e != FP32:
+            tl.alloc(p + ("scores32",), d.scores * FP32, "forward_temporaries_bytes")
+        tl.alloc(p + ("probs32",), d.scores * FP32, comp if core_saved else "forward_temporaries_bytes")
+        tl.free(p + ("scores",), p + ("scores32",))
+        if e != FP32:
+            tl.alloc(p + ("probs16",), d.scores * e, comp if core_saved else "forward_temporaries_bytes")
+        self._product(d.scores + T * d.n * d.d, 0, T * d.n * d.d)
+        tl.alloc(p + ("ctx_raw",), T * d.n * d.d * e, "forward_temporaries_bytes")
+        tl.alloc(p + ("ctx",), T * d.n * d.d * e, comp)
+        tl.free(p + ("ctx_raw",))
+        if not core_saved:  # selective keeps core attention's inputs: q, k and qkv (v is its view)
+            tl.free(p + ("probs32",), p + ("probs16",), p + ("k_rep",), p + ("v_rep",))
+        if not saved:
+            tl.free(p + ("q",), p + ("k",), p + ("qkv",), p + ("rope", "q"), p + ("rope", "k"))
+        self._product(T * d.n * d.d, d.h * d.n * d.d, T * d.h)
+        tl.alloc(p + ("proj",), T * d.h * e, "forward_temporaries_bytes")
+        if not saved:
+            tl.free(p + ("ctx",))
+        res1 = p + ("res1",)
+        tl.alloc(res1, T * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
+        tl.free(p + ("proj",))
+        self._drop_residual(x_key, saved)
+        self._norm_forward(p + ("ln2",), res1, saved)
+        self._product(T * d.h, 2 * d.f * d.h, 2 * T * d.f)
+        tl.alloc(p + ("fc1",), 2 * T * d.f * e, comp)
+        if not saved:
+            tl.free(p + ("ln2", "out"))
+        tl.alloc(p + ("silu",), T * d.f * e, comp)
+        tl.alloc(p + ("xlin",), T * d.f * e, comp)
+        tl.alloc(p + ("act",), T * d.f * e, comp)
+        if not saved:
+            tl.free(p + ("fc1",), p + ("silu",), p + ("xlin",))
+        self._product(T * d.f, d.h * d.f, T * d.h)
+        tl.alloc(p + ("fc2",), T * d.h * e, "forward_temporaries_bytes")
+        if not saved:
+            tl.free(p + ("act",))
+        out = p + ("res2",)
+        tl.alloc(out, T * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
+        tl.free(p + ("fc2",))
+        self._drop_residual(res1, saved)
+        return out
+
+    def _drop_residual(self, key, saved: bool) -> None:
+        """A residual tensor after its last forward use: kept when a norm saved it (fp32, grad
+        mode), or when the schedule or a checkpoint holds it."""
+        if key in self._held:
+            return
+        if saved and self.dims.e == FP32 and key[-1] in ("res1", "res2", "input"):
+            return
+        self.timeline.free(key)
+
+    def _stage_forward(self, mb, grad: bool, x_key):
+        """This stage's layers for microbatch ``mb``, by the recompute settings; returns the
+        output key and the recompute groups (``(first, last, input key)``)."""
+        settings = self.settings
+        granularity = settings.recompute_granularity if grad else "none"
+        groups = []
+        x = x_key
+        if granularity == "full":
+            n = settings.recompute_num_layers
+            if settings.recompute_method == "uniform":
+                spans = [(start, min(start + n, self.layers)) for start in range(0, self.layers, n)]
+            else:
+                spans = [(index, index + 1) for index in range(self.layers)]
+            for start, stop in spans:
+                recomputed = settings.recompute_method == "uniform" or start < n
+                if recomputed:
+                    self._held.add(x)  # the checkpoint saves its input
+                    self._retag(x, "recompute_bytes")
+                    for layer in range(start, stop):
+                        x = self._layer_forward(mb, layer, x, saved=False, attention_saved=False)
+                    groups.append((start, stop, self._group_input(mb, start, x_key)))
+                else:
+                    x = self._layer_forward(mb, start, x, saved=True, attention_saved=True)
+            return x, groups
+        for layer in range(self.layers):
+            x = self._layer_forward(mb, layer, x, saved=grad, attention_saved=granularity != "selective")
+        return x, groups
+
+    def _group_input(self, mb, start, x_key):
+        """The tensor a recompute group starting at layer ``start`` keeps: the stage input or
+        the previous layer's output."""
+        return x_key if start == 0 else ("layer", mb, start - 1, "res2")
+
+    def _retag(self, key, component: str) -> None:
+        block = self.timeline.live.get(key)
+        if block is not None:
+            self.timeline.live[key] = (block[0], component)
+
+    def _embedding_forward(self, mb, grad: bool):
+        tl, d = self.timeline, self.dims
+        T = d.tokens
+        key = ("emb", mb)
+        if self.settings.tensor_parallel > 1:  # the masked ids (int64) and the mask, saved
+            tl.alloc(key + ("ids",), T * (INT64 + 1), "saved_activations_bytes" if grad else "forward_temporaries_bytes")
+        tl.alloc(key + ("lookup",), T * d.h * d.e, "forward_temporaries_bytes")
+        x = ("layer", mb, -1, "input")
+        tl.alloc(x, T * d.h * d.e, "saved_activations_bytes" if grad and d.e == FP32 else "forward_temporaries_bytes")
+        tl.free(key + ("lookup",))
+        if not grad:
+            tl.free(key + ("ids",))
+        return x
+
+    def _head_forward(self, mb, x, grad: bool):
+        """Final norm, output layer and (grad mode) the cross entropy; the logits' keys."""
+        tl, d = self.timeline, self.dims
+        T = d.tokens
+        comp = "logits_bytes"
+        self._norm_forward(("head", mb, "ln"), x, grad)
+        self._drop_residual(x, grad)
+        self._product(T * d.h, d.vocab * d.h, T * d.vocab)
+        logits = ("head", mb, "logits")
+        tl.alloc(logits, T * d.vocab * d.e, comp)
+        if not grad:
+            tl.free(("head", mb, "ln", "out"))
+            return logits
+        if d.e != FP32:  # the cross entropy works on an fp32 copy (saved, in place)
+            tl.alloc(("head", mb, "logits32"), T * d.vocab * FP32, comp)
+            tl.free(logits)
+        ce = ("head", mb, "ce")
+        tl.alloc(ce, T * (INT64 + 1 + 2 * FP32) + (T * FP32 if self.settings.tensor_parallel > 1 else 0), comp)
+        return ce
+
+    # --- backward -------------------------------------------------------------------------------
+
+    def _norm_backward(self, key, grad_in, out_key) -> None:
+        """RMSNorm backward: fp32 temporaries, the input gradient ``out_key``; frees the norm's
+        saved tensors."""
+        tl, d = self.timeline, self.dims
+        th = d.tokens * d.h
+        tl.moment(2 * th * FP32, "backward_temporaries_bytes")
+        if d.e != FP32:
+            tl.moment(th * FP32, "backward_temporaries_bytes")
+        tl.alloc(out_key, th * d.e, "backward_temporaries_bytes")
+        tl.free(grad_in, key + ("x32",), key + ("rstd",), key + ("normed",))
+
+    def _layer_backward(self, mb, layer, grad_key, x_key, selective: bool = False):
+        """Backward of one layer whose saved tensors are live (``x_key``: its input); returns
+        its input gradient. ``selective``: core attention is re-run first (its scores, softmax
+        and repeated key and value exist again until their backward)."""
+        tl, d = self.timeline, self.dims
+        e, T = d.e, d.tokens
+        p = ("layer", mb, layer)
+        g = ("grad", mb, layer)
+        comp = "backward_temporaries_bytes"
+        # MLP
+        self._linear_backward(g + ("act",), T, T, d.f, d.h, "linear_fc2")
+        tl.free(p + ("act",))
+        tl.alloc(g + ("silu",), T * d.f * e, comp)
+        tl.alloc(g + ("xlin",), T * d.f * e, comp)
+        tl.free(g + ("act",), p + ("silu",), p + ("xlin",))
+        tl.moment(T * d.f * FP32 * (2 if e != FP32 else 1), comp)  # silu backward's fp32 terms
+        tl.alloc(g + ("xglu",), T * d.f * e, comp)
+        tl.free(g + ("silu",), p + ("fc1",))
+        tl.alloc(g + ("fc1",), 2 * T * d.f * e, comp)
+        tl.free(g + ("xglu",), g + ("xlin",))
+        self._linear_backward(g + ("ln2",), T, T, d.h, 2 * d.f, "linear_fc1")
+        tl.free(g + ("fc1",), p + ("ln2", "out"))
+        self._norm_backward(p + ("ln2",), g + ("ln2",), g + ("ln2x",))
+        tl.free(p + ("res1",))
+        tl.alloc(g + ("res1",), T * d.h * e, comp)  # residual grad: the sum of both paths
+        tl.free(g + ("ln2x",), grad_key)
+        # attention
+        self._linear_backward(g + ("ctx",), T, T, d.n * d.d, d.h, "linear_proj")
+        tl.free(p + ("ctx",))
+        if selective:
+            redo = "recompute_bytes"
+            if d.n > d.g:
+                tl.alloc(p + ("k_rep",), T * d.n * d.d * e, redo)
+                tl.alloc(p + ("v_rep",), T * d.n * d.d * e, redo)
+            self._product(2 * T * d.n * d.d, 0, d.scores)
+            tl.moment(d.scores * (e + (FP32 if e != FP32 else 0)), redo)
+            tl.alloc(p + ("probs32",), d.scores * FP32, redo)
+            if e != FP32:
+                tl.alloc(p + ("probs16",), d.scores * e, redo)
+            self._product(d.scores + T * d.n * d.d, 0, T * d.n * d.d)
+            tl.moment(T * d.n * d.d * e, redo)
+        if d.widened:
+            tl.moment((d.scores + 3 * T * d.n * d.d) * FP32 + d.scores * FP32, comp)
+        tl.alloc(g + ("probs",), d.scores * e, comp)
+        tl.alloc(g + ("v_rep",), T * d.n * d.d * e, comp)
+        tl.free(g + ("ctx",), p + ("probs16",), p + ("v_rep",))
+        if e != FP32:
+            tl.alloc(g + ("probs32",), d.scores * FP32, comp)
+            tl.free(g + ("probs",))
+        tl.alloc(g + ("scores",), d.scores * FP32, comp)
+        tl.free(g + ("probs",), g + ("probs32",), p + ("probs32",))
+        tl.alloc(g + ("masked",), d.scores * FP32, comp)  # masked_fill_'s backward
+        tl.free(g + ("scores",))
+        if e != FP32:
+            tl.alloc(g + ("scores16",), d.scores * e, comp)
+            tl.free(g + ("masked",))
+        if d.widened:
+            tl.moment((2 * T * d.n * d.d + 2 * d.scores + 2 * T * d.n * d.d) * FP32, comp)
+        tl.alloc(g + ("q",), T * d.n * d.d * e, comp)
+        tl.alloc(g + ("k_rep",), T * d.n * d.d * e, comp)
+        tl.free(g + ("masked",), g + ("scores16",), p + ("q",), p + ("k_rep",))
+        if d.n > d.g:
+            tl.alloc(g + ("k",), T * d.g * d.d * e, comp)
+            tl.alloc(g + ("v",), T * d.g * d.d * e, comp)
+            tl.free(g + ("k_rep",), g + ("v_rep",))
+        else:
+            tl.free(p + ("qkv",))
+        for name, heads in (("q", d.n), ("k", d.g)):
+            tl.moment(2 * T * heads * d.d * e, comp)
+            tl.free(p + ("rope", name))
+        tl.free(p + ("k",), p + ("qkv",))
+        qkv = (d.n + 2 * d.g) * d.d
+        tl.alloc(g + ("qkv",), T * qkv * e, comp)
+        tl.free(g + ("q",), g + ("k",), g + ("v",), g + ("k_rep",), g + ("v_rep",))
+        self._linear_backward(g + ("ln1",), T, T, d.h, qkv, "linear_qkv")
+        tl.free(g + ("qkv",), p + ("ln1", "out"))
+        self._norm_backward(p + ("ln1",), g + ("ln1",), g + ("ln1x",))
+        if x_key not in self._held:
+            tl.free(x_key)
+        out = g + ("input",)
+        tl.alloc(out, T * d.h * e, comp)
+        tl.free(g + ("ln1x",), g + ("res1",))
+        return out
+
+    def _input_of(self, mb, layer, stage_input):
+        return stage_input if layer == 0 else ("layer", mb, layer - 1, "res2")
+
+    def _stage_backward(self, mb, groups, grad_key, stage_input):
+        """Backward through this stage's layers (re-running recomputed groups first)."""
+        selective = self.settings.recompute_granularity == "selective"
+        spans = {start: stop for start, stop, _ in groups}
+        layer = self.layers - 1
+        while layer >= 0:
+            start = next((s for s, stop in spans.items() if s <= layer < stop), None)
+            if start is not None:
+                first_input = next(key for s, _, key in groups if s == start)
+                x = first_input
+                for index in range(start, spans[start]):
+                    x = self._layer_forward(mb, index, x, saved=True, attention_saved=True)
+                for index in range(spans[start] - 1, start - 1, -1):
+                    grad_key = self._layer_backward(mb, index, grad_key, self._input_of(mb, index, stage_input))
+                if x not in self._held:  # the re-run's output: only its gradient was needed
+                    self.timeline.free(x)
+                self._release_input(first_input)
+                layer = start - 1
+                continue
+            grad_key = self._layer_backward(mb, layer, grad_key, self._input_of(mb, layer, stage_input), selective)
+            layer -= 1
+        return grad_key
+
+    def _release_input(self, key) -> None:
+        """A recompute group's input after the group's backward (the stage input stays with
+        the schedule)."""
+        if key[-1] == "input" and not self.first:
+            return
+        self._held.discard(key)
+        self.timeline.free(key)
+
+    def _head_backward(self, mb, ce_key, x_key):
+        """Cross entropy's gradient (in place on its softmax), the output layer's and the final
+        norm's backward; returns the gradient into the last layer."""
+        tl, d = self.timeline, self.dims
+        T = d.tokens
+        comp = "backward_temporaries_bytes"
+        tl.moment(T * FP32 * 2, comp)  # the loss's gradient and mask products
+        logits = ("head", mb, "logits32") if d.e != FP32 else ("head", mb, "logits")
+        grad_logits = logits
+        if d.e != FP32:  # the fp32 gradient cast back to the logits' dtype
+            grad_logits = ("grad", mb, "logits")
+            tl.alloc(grad_logits, T * d.vocab * d.e, comp)
+            tl.free(logits)
+        tl.free(ce_key)
+        self._linear_backward(("grad", mb, "head"), T, T, d.h, d.vocab, "output_layer")
+        tl.free(grad_logits, ("head", mb, "ln", "out"))
+        self._norm_backward(("head", mb, "ln"), ("grad", mb, "head"), ("grad", mb, "head_in"))
+        if x_key not in self._held:
+            tl.free(x_key)
+        return ("grad", mb, "head_in")
+
+    def _embedding_backward(self, mb, grad_key) -> None:
+        tl, d = self.timeline, self.dims
+        if not (self.logra and "word_embeddings" in self.sketched):
+            tl.moment(d.vocab * d.h * d.e, "backward_temporaries_bytes")  # the dense weight gradient
+        tl.free(grad_key, ("emb", mb, "ids"))
+
+    # --- one microbatch, and the schedule ---------------------------------------------------------
+
+    def forward_microbatch(self, mb) -> None:
+        tl, d = self.timeline, self.dims
+        T = d.tokens
+        if self.first:
+            x = self._embedding_forward(mb, grad=True)
+        else:  # the received activation, held by the schedule until this microbatch's backward
+            x = ("layer", mb, -1, "input")
+            tl.alloc(x, T * d.h * d.e, "pipeline_buffers_bytes")
+            self._held.add(x)
+        out, groups = self._stage_forward(mb, grad=True, x_key=x)
+        if self.last:
+            ce = self._head_forward(mb, out, grad=True)
+            self._pending[mb] = (groups, (ce, out), x)
+        else:
+            if self.platform == "cuda":  # Megatron deallocates a sent output's data
+                tl.free(out)
+            else:
+                self._retag(out, "pipeline_buffers_bytes")
+            self._pending[mb] = (groups, out, x)
+
+    def backward_microbatch(self, mb) -> None:
+        tl, d = self.timeline, self.dims
+        groups, out, x = self._pending.pop(mb)
+        if self.last:
+            grad = self._head_backward(mb, *out)
+        else:
+            grad = ("recv_grad", mb)
+            tl.alloc(grad, d.tokens * d.h * d.e, "pipeline_buffers_bytes")
+        grad = self._stage_backward(mb, groups, grad, x)
+        if not self.last:
+            tl.free(out)
+        self._held.discard(x)
+        tl.free(x)
+        if self.first:
+            self._embedding_backward(mb, grad)
+        else:  # sent to the previous stage, then dropped
+            tl.free(grad)
+
+    def forward_backward(self) -> None:
+        settings = self.settings
+        tl, d = self.timeline, self.dims
+        self._held = set()
+        self._pending = {}
+        per_replica = settings.global_batch_size // settings.data_parallel
+        microbatches = max(1, per_replica // settings.micro_batch_size)
+        # 1F1B's steady state repeats itself: past the warm-up and one steady step nothing new
+        # can peak, so longer runs of microbatches are not replayed (a 64-microbatch plan of a
+        # 32B model would otherwise take seconds per stage).
+        microbatches = min(microbatches, settings.pipeline_parallel - self.stage + 1)
+        tl.phase = "forward_backward"
+        # lm_forward_backward: inputs and labels (int64) of the replica's batch, its loss mask,
+        # the causal mask.
+        tl.alloc("batch", per_replica * d.s * (2 * INT64 + FP32) + d.s * d.s, "batch_bytes")
+        if settings.pipeline_parallel == 1:
+            for mb in range(microbatches):
+                self.forward_microbatch(mb)
+                self.backward_microbatch(mb)
+        else:
+            warmup = min(settings.pipeline_parallel - self.stage - 1, microbatches)
+            for mb in range(warmup):
+                self.forward_microbatch(mb)
+            for index in range(microbatches - warmup):
+                self.forward_microbatch(warmup + index)
+                self.backward_microbatch(index)
+            for mb in range(microbatches - warmup, microbatches):
+                self.backward_microbatch(mb)
+        tl.free("batch")
+
+    # --- the optimizer and the KL controller ------------------------------------------------------
+
+    def _dense_params(self):
+        return [p for p in self.params if p.sketch_side is None]
+
+    def _largest_main(self) -> int:
+        """Elements of the largest dense parameter (its shard under the distributed optimizer)."""
+        dense = self._dense_params()
+        if not dense:
+            return 0
+        largest = max(p.numel for p in dense)
+        if self.settings.distributed_optimizer:
+            largest = -(-largest // self.settings.data_parallel)
+        return largest
+
+    def _dense_step(self) -> None:
+        """Megatron's optimizer: the inf/NaN check (a bool per element of a gradient, one at a
+        time), clipping (a scaled copy per gradient), torch's single-tensor AdamW (``sqrt(v)`` and
+        the quotient per parameter)."""
+        tl = self.timeline
+        largest = self._largest_main()
+        comp = "optimizer_temporaries_bytes"
+        tl.moment(largest, comp)
+        tl.moment(largest * FP32, comp)
+        tl.moment(2 * largest * FP32, comp)
+
+    def _logra_propose(self) -> None:
+        """LoGRA's propose up to ``U``: the ZeRO-1 slice of the reduced sketches (a copy), the
+        fp64 norm, the update rule's temporaries; ``U`` stays until the commit."""
+        tl = self.timeline
+        settings = self.settings
+        comp = "optimizer_temporaries_bytes"
+        full = state_model.proposal_update_bytes(settings, self.stage) // FP32
+        dp = settings.data_parallel
+        zero1 = settings.distributed_optimizer
+        sliced = zero1 and dp > 1
+        local = full // dp if sliced else full
+        if zero1:
+            tl.alloc("sketch_slice", local * FP32, comp)
+        tl.moment(local, comp)  # isfinite
+        tl.moment(2 * local * FP64, comp)  # grads.double().pow(2)
+        probes = sum(self._norm_probes() * (p.shape[0] if p.sketch_side == "right" else p.shape[1])
+                     for p in self.params if p.sketch_side is not None)
+        tl.moment(2 * probes * FP64, comp)
+        self._dense_step()
+        if settings.logra.update == "rowadam":
+            tl.moment(local * FP32, comp)
+        else:
+            tl.moment(2 * local * FP32, comp)  # sqrt(v), then the denominator
+            tl.alloc("denominator", local * FP32, comp)
+        tl.alloc("update_local", local * FP32, "proposal_update_bytes")
+        tl.free("denominator")
+        if sliced:
+            tl.alloc("update", full * FP32, "proposal_update_bytes")
+            tl.free("update_local")
+        tl.free("sketch_slice")
+
+    def _commit(self) -> None:
+        """Row blocks through the master mode (bf16-sr: fp32 values and int64 indices of a
+        block); the proposal is dropped."""
+        tl = self.timeline
+        if self.logra and self.settings.bf16 and self.settings.logra.master in ("bf16-sr", "none"):
+            block = max((state_model._sketch_numel(p, state_model.sketch_rank(self.settings, p))
+                         for p in self.params if p.sketch_side is not None), default=0)
+            if self.settings.logra.master == "bf16-sr":
+                block //= 8
+                tl.moment(block * (FP32 + 3 * INT64), "optimizer_temporaries_bytes")
+            else:
+                tl.moment(block * FP32, "optimizer_temporaries_bytes")
+        tl.free("update", "update_local", "copies")
+
+    def _probe_pass(self) -> None:
+        """One forward-only pass of a probe microbatch (rows of ``micro_batch_size`` at most,
+        ``seq_length + 1`` tokens); no saved activations, layer by layer."""
+        tl = self.timeline
+        saved_dims = self.dims
+        rows, _ = probe_layout(self.settings)
+        self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": saved_dims.s + 1})
+        try:
+            d = self.dims
+            key = ("probe", self._probe_count)
+            self._probe_count += 1
+            if self.first:
+                x = self._embedding_forward(key, grad=False)
+            else:
+                x = ("layer", key, -1, "input")
+                tl.alloc(x, d.tokens * d.h * d.e, "probe_bytes")
+            for layer in range(self.layers):
+                x = self._layer_forward(key, layer, x, saved=False, attention_saved=False)
+                self._preview_side_paths()
+            if self.last:
+                logits = self._head_forward(key, x, grad=False)
+                tl.free(x)
+                self._retag(logits, "probe_bytes")
+                self._probe_logits.append(logits)
+            else:
+                tl.free(x)
+        finally:
+            self.dims = saved_dims
+
+    def _preview_side_paths(self) -> None:
+        """LoGRA's preview inside a sketching layer: ``(X Q) U^T`` or ``(X U^T) P^T`` and the
+        fp32 output it is added to."""
+        if not self.logra:
+            return
+        d = self.dims
+        widest = max(2 * d.f, (d.n + 2 * d.g) * d.d, d.h)
+        self.timeline.moment(3 * d.tokens * widest * FP32, "probe_bytes")
+
+    def _probe_kl(self) -> None:
+        """The full-vocabulary KL of two logits slices: seven fp32 temporaries of their size."""
+        if not self.last:
+            return
+        d = self.dims
+        rows, _ = probe_layout(self.settings)
+        elements = rows * (d.s + 1) * d.vocab
+        if self.settings.kl_control == "linear":  # fp64 difference, then the variance's terms
+            self.timeline.moment(elements * (3 * FP64 + 4 * FP32), "probe_bytes")
+        else:
+            self.timeline.moment(7 * elements * FP32, "probe_bytes")
+
+    def controller(self) -> None:
+        """The step after the backward: plain optimizer step (``off``), or propose -> probe
+        forecasts -> commit."""
+        settings, tl = self.settings, self.timeline
+        tl.phase = "optimizer"
+        mode = settings.kl_control
+        if mode == "off":
+            if self.logra:
+                self._logra_propose()
+                self._commit()
+            else:
+                self._dense_step()
+            return
+        # propose: the dense optimizer's mains copied before and after its step
+        copies = 2 * state_model.dense_main_numel(settings, self.stage) * FP32
+        before = copies // 2
+        tl.alloc("copies_before", before, "controller_copies_bytes")
+        if self.logra:
+            self._logra_propose()
+        else:
+            self._dense_step()
+        tl.alloc("copies_after", copies - before, "controller_copies_bytes")
+        tl.phase = "controller"
+        self._probe_count = 0
+        self._probe_logits = []
+        _, parts = probe_layout(settings)
+        for _ in range(parts):
+            for _side in ("old", "new"):
+                self._probe_pass()
+                if len(self._probe_logits) > 2:
+                    tl.free(self._probe_logits.pop(0))
+            self._probe_kl()
+        for logits in self._probe_logits:
+            tl.free(logits)
+        tl.phase = "optimizer"
+        self._commit()
+        tl.free("copies_before", "copies_after")
+
+    def norm_probe_redraw(self) -> None:
+        """``zero_grad`` draws this step's norm probes ``(I - Q Q^T) Omega``: three temporaries of
+        a probe's size per weight, one at a time; the new probes replace last step's. The CPU
+        tracker cannot see the old ones freed (allocated before it started): all new ones count."""
+        if not (self.logra and self._norm_probes()):
+            return
+        tl = self.timeline
+        sizes = [self._norm_probes() * p.projected_dim * FP32 for p in self.params if p.sketch_side is not None]
+        tl.phase = "zero_grad"
+        if self.platform == "cpu":
+            tl.alloc("norm_probes", sum(sizes), "norm_probe_redraw_bytes")
+            tl.moment(2 * max(sizes), "norm_probe_redraw_bytes")
+        else:
+            tl.moment(3 * max(sizes), "norm_probe_redraw_bytes")
+
+
+def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda") -> Dict[str, int]:
+    """The step's transient memory on one rank of pipeline stage ``stage`` (any TP rank; the
+    busiest DP rank): ``peak_step_bytes``, the components live at that peak (:data:`COMPONENTS`),
+    the peak of each phase (``<phase>_peak_bytes``: forward_backward, optimizer, controller) and
+    ``microbatches_in_flight``. ``platform``: ``cuda`` (a GPU, local spec) or ``cpu`` (what the
+    CPU tracker records here; see the module docstring)."""
+    if platform not in PLATFORMS:
+        raise UserError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    state_model.check_settings(settings)
+    _check_recompute(settings)
+    step = _Step(settings, stage, platform)
+    step.norm_probe_redraw()
+    step.forward_backward()
+    step.controller()
+    timeline = step.timeline
+    result = {component: timeline.at_peak.get(component, 0) for component in COMPONENTS}
+    result["peak_step_bytes"] = timeline.peak
+    for phase in ("forward_backward", "optimizer", "controller"):
+        result[f"{phase}_peak_bytes"] = timeline.phase_peaks.get(phase, 0)
+    per_replica = settings.global_batch_size // settings.data_parallel
+    microbatches = max(1, per_replica // settings.micro_batch_size)
+    result["microbatches_in_flight"] = min(settings.pipeline_parallel - stage, microbatches)
+    return result
+
+
+def probe_layout(settings: PlanSettings) -> tuple:
+    """``(rows per forward, forwards per forecast side)`` of the KL controller's probe set on one
+    DP replica: ``--kl-probe-sequences`` rows of its batch, ``--micro-batch-size`` at a time
+    (rl/grpo.py), each ``seq_length + 1`` tokens long (a whole training row)."""
+    per_replica = max(1, settings.global_batch_size // settings.data_parallel)
+    rows = min(settings.kl_probe_sequences, per_replica)
+    per_pass = max(1, min(settings.micro_batch_size, rows))
+    return per_pass, -(-rows // per_pass)
+
+
+def peak_step_bytes(settings: PlanSettings, stage: int, platform: str = "cuda") -> int:
+    """The predicted peak of tensor allocations during one step beyond what was live before it."""
+    return activation_bytes(settings, stage, platform)["peak_step_bytes"]
+
+
+def _check_recompute(settings: PlanSettings) -> None:
+    """Megatron's rules for the recompute flags (training/config.py: RecomputeConfig)."""
+    from logra_megatron.training.config import RecomputeConfig
+
+    granularity = None if settings.recompute_granularity == "none" else settings.recompute_granularity
+    config = RecomputeConfig(granularity, settings.recompute_method, settings.recompute_num_layers)
+    config.check_layers(settings.model.layers // settings.pipeline_parallel)
+
+
+def global_buffer_bytes(settings: PlanSettings) -> int:
+    """Megatron's global memory buffer that the attention scores' ``baddbmm`` reads (``b x n x s
+    x s`` of the run's dtype): allocated by the first step and kept, so it is in no step's
+    peak but in the memory a GPU holds."""
+    model = settings.model
+    heads = model.heads // settings.tensor_parallel
+    return settings.micro_batch_size * heads * settings.seq_length ** 2 * settings.weight_bytes_per_element
+

@@ -1,0 +1,170 @@
+"""The memory planner's flags (tools/plan_memory.py) and the :class:`PlanSettings` they give.
+
+Megatron's and the trainer's flag names where they exist, so a job's command line carries over.
+Defaults describe a plain run of the trainer (its LoGRA rank, master mode and KL control), one
+sequence per microbatch of 2048 tokens, 64 sequences per step and no rollout engine, unless the
+flags say otherwise.
+"""
+
+import json
+from dataclasses import replace
+from typing import Optional
+
+from logra_megatron.errors import UserError
+from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULE_NAMES, LogRAConfig, parse_rank
+from logra_megatron.models.config import PRESETS, ModelConfig, get_preset
+from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings, RolloutPlan
+from logra_megatron.training.config import KL_MODES
+
+GIB = 1024**3
+OPTIMIZER_CHOICES = ("adam", "logra", "both")
+
+
+def add_arguments(parser) -> None:
+    """The planner's flags on an argparse parser (tools/plan_memory.py)."""
+    model = parser.add_argument_group("model")
+    source = model.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=tuple(PRESETS), help="a named model (logra_megatron/models/config.py)")
+    source.add_argument("--model-config", metavar="FILE.json",
+                        help="a model_config.json as a checkpoint holds it (logra_megatron/checkpoint.py)")
+
+    layout = parser.add_argument_group("layout and GPUs")
+    layout.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    layout.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    layout.add_argument("--data-parallel-size", type=int, default=None,
+                        help="default: --gpus / (TP x PP), or 1 without --gpus")
+    layout.add_argument("--gpus", type=int, default=None, help="GPUs of the job (with --search: the GPUs to fill)")
+    layout.add_argument("--gpus-per-node", type=int, default=8,
+                        help="--search keeps tensor parallelism within a node (default 8)")
+    layout.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU in GiB: report whether each plan fits, and its headroom")
+    layout.add_argument("--reserve-gib", type=float, default=2.0,
+                        help="memory the plan does not model and a GPU still needs (CUDA context, NCCL "
+                             "communicators, allocator fragmentation); default 2")
+    layout.add_argument("--search", action="store_true",
+                        help="try every TP x PP x DP layout of --gpus (TP within a node and dividing heads, kv "
+                             "heads and FFN; PP dividing the layers) and pick, per optimizer, the one with the "
+                             "most headroom")
+
+    optimizer = parser.add_argument_group("optimizer and precision")
+    optimizer.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="both",
+                           help="plan Megatron's dense Adam, LoGRA, or both side by side (default)")
+    optimizer.add_argument("--use-distributed-optimizer", action="store_true",
+                           help="Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 state sharding")
+    optimizer.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 gradients and masters)")
+    defaults = LogRAConfig()
+    optimizer.add_argument("--logra-rank", default=str(defaults.rank),
+                           help=f"LoGRA sketch rank: an integer or a fraction (default {defaults.rank}, the trainer's)")
+    optimizer.add_argument("--logra-update", choices=UPDATE_RULE_NAMES, default=defaults.update,
+                           help="LoGRA's sketch-space update rule (adam: two moments per sketch element; rowadam: "
+                                "one per sketch line, no norm probes, no distributed optimizer)")
+    optimizer.add_argument("--logra-master", choices=MASTER_MODES, default=defaults.master)
+    optimizer.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
+    optimizer.add_argument("--logra-norm-probes", type=int, default=defaults.norm_probes)
+    optimizer.add_argument("--kl-control", choices=KL_MODES, default="probe",
+                           help="the predicted-KL controller (either optimizer, as in the trainer; default probe): "
+                                "its copies of the dense optimizer's fp32 mains are held during a step")
+    optimizer.add_argument("--kl-probe-sequences", type=int, default=8)
+
+    batch = parser.add_argument_group("batch and activations")
+    batch.add_argument("--micro-batch-size", type=int, default=1)
+    batch.add_argument("--global-batch-size", type=int, default=64,
+                       help="sequences per optimizer step over all DP replicas (default 64)")
+    batch.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence (default 2048)")
+    batch.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="none")
+    batch.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None)
+    batch.add_argument("--recompute-num-layers", type=int, default=None)
+
+    rl = parser.add_argument_group("beside training")
+    rl.add_argument("--reference-model", action="store_true",
+                    help="a frozen reference policy for a KL penalty (weights in the run's dtype)")
+    rl.add_argument("--rollout-sequences", type=int, default=0,
+                    help="sequences a colocated rollout engine generates at once, over all DP replicas "
+                         "(each replica holds its share's KV cache); default 0: no rollout engine")
+    rl.add_argument("--rollout-max-tokens", type=int, default=None,
+                    help="prompt + response tokens per rollout sequence (default: --seq-length)")
+    rl.add_argument("--rollout-engine-weights", choices=("shared", "separate"), default="shared",
+                    help="shared: the engine samples with the trainer's weights (our Megatron engine); "
+                         "separate: it keeps its own bf16 copy, sharded like the trainer")
+
+
+def load_model(args) -> ModelConfig:
+    """The model the flags name (a preset, or a model_config.json)."""
+    if args.model_config:
+        try:
+            with open(args.model_config) as handle:
+                values = json.load(handle)
+        except OSError as error:
+            raise UserError(f"cannot read --model-config {args.model_config}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise UserError(f"--model-config {args.model_config} is not JSON: {error}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"--model-config {args.model_config} must hold a JSON object")
+        return ModelConfig.from_dict(values)
+    if args.preset:
+        return get_preset(args.preset)
+    raise UserError("give the model: --preset NAME or --model-config FILE.json")
+
+
+def data_parallel_size(args) -> int:
+    """``--data-parallel-size``, or what ``--gpus`` leaves after TP x PP, or 1."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+        if args.gpus % (tp * pp):
+            raise UserError(f"--gpus {args.gpus} is not divisible by TP {tp} x PP {pp}")
+        dp = args.gpus // (tp * pp)
+        if args.data_parallel_size is not None and args.data_parallel_size != dp:
+            raise UserError(f"--data-parallel-size {args.data_parallel_size} does not match --gpus {args.gpus} "
+                            f"/ (TP {tp} x PP {pp}) = {dp}")
+        return dp
+    dp = args.data_parallel_size or 1
+    if dp < 1:
+        raise UserError(f"--data-parallel-size must be >= 1, got {dp}")
+    return dp
+
+
+def rollout_for(args, data_parallel: int) -> RolloutPlan:
+    """This DP replica's share of ``--rollout-sequences`` (rounded up) and their length."""
+    if args.rollout_sequences < 0:
+        raise UserError(f"--rollout-sequences must be >= 0, got {args.rollout_sequences}")
+    tokens = args.rollout_max_tokens if args.rollout_max_tokens is not None else args.seq_length
+    if tokens < 1:
+        raise UserError(f"--rollout-max-tokens must be >= 1, got {tokens}")
+    per_replica = -(-args.rollout_sequences // data_parallel)
+    return RolloutPlan(sequences_in_flight=per_replica, max_tokens=tokens if per_replica else 0,
+                       dtype_bytes=2, separate_weights=args.rollout_engine_weights == "separate")
+
+
+def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
+    """The :class:`PlanSettings` of the flags, for ``optimizer`` (adam or logra; default: the
+    one ``--optimizer`` names, or logra for ``both``)."""
+    model = load_model(args)
+    dp = data_parallel_size(args)
+    if optimizer is None:
+        optimizer = "logra" if args.optimizer == "both" else args.optimizer
+    logra = LogRAConfig(rank=parse_rank(args.logra_rank), update=args.logra_update, master=args.logra_master,
+                        embeddings=args.logra_embeddings, norm_probes=args.logra_norm_probes,
+                        zero1=args.use_distributed_optimizer)
+    if args.kl_probe_sequences < 1:
+        raise UserError(f"--kl-probe-sequences must be >= 1, got {args.kl_probe_sequences}")
+    return PlanSettings(
+        model=model, tensor_parallel=args.tensor_model_parallel_size,
+        pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=dp, optimizer=optimizer,
+        distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, logra=logra,
+        kl_control=args.kl_control, kl_probe_sequences=args.kl_probe_sequences,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        reference_model=args.reference_model, rollout=rollout_for(args, dp))
+
+
+def optimizers_of(args) -> tuple:
+    return ("adam", "logra") if args.optimizer == "both" else (args.optimizer,)
+
+
+def with_optimizer(settings: PlanSettings, optimizer: str) -> PlanSettings:
+    return replace(settings, optimizer=optimizer)

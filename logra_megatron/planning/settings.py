@@ -1,0 +1,78 @@
+"""What a memory plan is computed from: plain data, no model built and no process group.
+
+One :class:`PlanSettings` describes a job as its flags do (model, layout, precision, optimizer,
+batch, activation recomputation, a KL reference model, a colocated rollout engine);
+``logra_megatron/planning/state.py`` turns it into the training state each rank holds and
+``logra_megatron/planning/activations.py`` into the step's transient peak.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.models.config import ModelConfig
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """A rollout engine colocated with the trainer on the same GPUs: its own copy of the weights
+    (in ``dtype_bytes`` per element, sharded like the trainer's TP x PP unless the engine holds
+    the whole model) and the KV cache for ``sequences_in_flight`` sequences of ``max_tokens``
+    (prompt + response) tokens per data-parallel replica."""
+
+    sequences_in_flight: int = 0
+    max_tokens: int = 0
+    dtype_bytes: int = 2
+    separate_weights: bool = True
+    """False for our embedded Megatron engine (it samples with the trainer's own weights)."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """One job, per the flags that decide its memory."""
+
+    model: ModelConfig
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    optimizer: str = "logra"
+    """``adam`` (Megatron's dense Adam) or ``logra``."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 sharding of its state."""
+    bf16: bool = False
+    """bf16 weights (fp32 grads, fp32 masters for dense; LoGRA per ``logra.master``)."""
+    logra: LogRAConfig = field(default_factory=LogRAConfig)
+    kl_control: str = "probe"
+    """``off``, ``probe`` or ``exact`` (what the predicted-KL controller holds during a step)."""
+    kl_probe_sequences: int = 8
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    """Sequences per optimizer step over all data-parallel replicas."""
+    seq_length: int = 2048
+    recompute_granularity: str = "none"
+    """Megatron's ``--recompute-granularity``: none, selective (core attention) or full."""
+    recompute_method: Optional[str] = None
+    """Megatron's ``--recompute-method`` for full recomputation: uniform or block."""
+    recompute_num_layers: Optional[int] = None
+    """Megatron's ``--recompute-num-layers``."""
+    reference_model: bool = False
+    """A frozen copy of the initial policy for a KL penalty (weights only, ``dtype`` of the run)."""
+    rollout: RolloutPlan = field(default_factory=RolloutPlan)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def num_microbatches(self) -> int:
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel))
+
+    @property
+    def weight_bytes_per_element(self) -> int:
+        return 2 if self.bf16 else 4
+
+    def with_changes(self, **changes) -> "PlanSettings":
+        return replace(self, **changes)

@@ -1,0 +1,376 @@
+"""The training state one rank holds, by component, from :class:`PlanSettings` alone.
+
+No model is built and megatron-core is not imported: the shapes of a pipeline stage's
+parameters are written down the way Megatron's GPTModel registers them (local layer spec), and
+each component mirrors what the code allocates for them:
+
+- **Placement.** Layers are split evenly over the pipeline. The first stage holds the word
+  embedding, the last the final norm and the output layer; with tied embeddings at PP = 1 the
+  output layer has no weight of its own, at PP > 1 the last stage keeps a full copy of the
+  embedding (Megatron's ``shared_embedding`` parameter: its own gradient, master and moments).
+- **TP shards.** Column-parallel weights (linear_qkv, linear_fc1 with its two SwiGLU halves, the
+  output layer) split their output rows, row-parallel ones (linear_proj, linear_fc2) their input
+  columns, the vocabulary (padded by :meth:`ModelConfig.padded_vocab`) is split in blocks, norms
+  are replicated, the QKV bias is split with its rows.
+- **Dense parameters** (all of them for ``adam``, the unsketched remainder for ``logra``) live in
+  Megatron DDP's buffers: an fp32 gradient buffer (``grad_reduce_in_fp32``); with the
+  distributed optimizer each parameter starts at a multiple of 64 elements, a bucket ends at a
+  multiple of lcm(DP, 128), a ``shared_embedding`` parameter gets a bucket of its own, and the
+  weights move into a parameter buffer of the same padded length. Megatron's optimizer keeps
+  fp32 masters of bf16 parameters and two fp32 Adam moments plus torch's 4-byte ``step`` per
+  tensor; with the distributed optimizer only for this DP rank's equal slice of every bucket
+  (6 + 12/d bytes per parameter in bf16 instead of 18).
+- **Sketched weights** (LoGRA) have no gradient buffer: one flat fp32 sketch buffer (padded to a
+  multiple of DP in ZeRO-1 mode) and the norm probes' samples (``sketch_bytes``), the probes'
+  directions (``norm_probe_bytes``), sketch-space Adam moments (two fp32 per sketch element, this
+  DP rank's slice in ZeRO-1 mode; ``--logra-update rowadam``: one fp32 second moment per sketch
+  line and no norm probes), fp32 projections, and per ``--logra-master`` fp32 masters of
+  the weights (rows split over DP in ZeRO-1 mode) or none.
+- **KL controller** (``--kl-control`` not off): while a step is proposed the dense optimizer keeps
+  fp32 copies of its mains before and after the step (``controller_extra_bytes``; transient,
+  inside the step's peak).
+- **Reference model** (a KL penalty's frozen policy): this stage's weights in the run's dtype.
+- **Rollout engine** colocated on the same GPUs: its weights (when it holds its own copy) and
+  the KV cache of this stage's layers for the sequences in flight on this DP replica.
+
+Counts are per rank; DP ranks differ only by the distributed optimizer's padding, so
+:func:`stage_state` takes a DP rank and :func:`worst_dp_rank_state` returns the largest.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from logra_megatron.errors import UserError
+from logra_megatron.layout import ParallelLayout
+from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings
+from logra_megatron.training.config import KL_MODES
+
+FP32 = 4
+ADAM_STEP_BYTES = 4
+"""torch's AdamW keeps its step count as a 0-dim fp32 tensor per parameter (the CPU fallback;
+Transformer Engine's FusedAdam keeps it in the param group: 0 bytes, a negligible overcount)."""
+PARAM_ALIGNMENT = 64
+"""Megatron DDP (distributed optimizer): every parameter starts at a multiple of 64 elements."""
+BUCKET_ALIGNMENT = 128
+"""... and every bucket ends at a multiple of lcm(DP, 128) elements."""
+LEFT, RIGHT = "left", "right"
+"""Sketch sides, as logra/sketch.py names them: right for column-parallel (and vocabulary)
+weights, left for row-parallel ones."""
+
+STATE_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "norm_probe_bytes",
+                    "moment_bytes", "projection_bytes", "controller_extra_bytes",
+                    "reference_model_bytes", "rollout_bytes")
+"""The benchmark's component names (tools/benchmark_optimizer.py), plus the norm probes'
+directions, a reference model and a colocated rollout engine."""
+TRANSIENT_COMPONENTS = ("controller_extra_bytes",)
+"""Held only during a step (inside its peak, see logra_megatron/planning/plan.py)."""
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One parameter of a pipeline stage as this rank holds it."""
+
+    name: str
+    """Global name, e.g. ``decoder.layers.3.mlp.linear_fc1.weight``."""
+    shape: Tuple[int, ...]
+    """This rank's shard."""
+    sketch_side: Optional[str] = None
+    """``"right"``/``"left"`` when LoGRA sketches it (then it has no dense gradient)."""
+    shared_embedding: bool = False
+    """Megatron's tied embedding under PP > 1 (first stage's or the last stage's copy)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def projected_dim(self) -> int:
+        """The sketch's projected (never TP-split) dimension: in-features of a right sketch,
+        out-features of a left one."""
+        out_features, in_features = self.shape
+        return in_features if self.sketch_side == RIGHT else out_features
+
+
+def check_settings(settings: PlanSettings) -> None:
+    """Raise a :class:`UserError` when the settings describe a job that cannot run."""
+    model = settings.model
+    if settings.optimizer not in ("adam", "logra"):
+        raise UserError(f"optimizer must be adam or logra, got {settings.optimizer!r}")
+    ParallelLayout(settings.tensor_parallel, settings.pipeline_parallel, settings.world_size).check_model(
+        model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab)
+    if settings.data_parallel < 1:
+        raise UserError(f"data-parallel size must be >= 1, got {settings.data_parallel}")
+    if settings.kl_control not in KL_MODES:
+        raise UserError(f"--kl-control must be one of {', '.join(KL_MODES)}, got {settings.kl_control!r}")
+    if settings.micro_batch_size < 1 or settings.seq_length < 1:
+        raise UserError("--micro-batch-size and --seq-length must be >= 1")
+    per_step = settings.micro_batch_size * settings.data_parallel
+    if settings.global_batch_size < per_step or settings.global_batch_size % per_step:
+        raise UserError(
+            f"--global-batch-size {settings.global_batch_size} must be a multiple of --micro-batch-size "
+            f"{settings.micro_batch_size} x data-parallel size {settings.data_parallel}")
+    if settings.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise UserError(f"--recompute-granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
+                        f"got {settings.recompute_granularity!r}")
+    if settings.recompute_method is not None and settings.recompute_method not in RECOMPUTE_METHODS:
+        raise UserError(f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, "
+                        f"got {settings.recompute_method!r}")
+    if settings.optimizer == "logra":
+        settings.logra.check_model(model)
+        if settings.logra.master == "bf16-sr" and not settings.bf16:
+            raise UserError("--logra-master bf16-sr needs --bf16")
+    rollout = settings.rollout
+    if rollout.sequences_in_flight < 0 or rollout.max_tokens < 0 or rollout.dtype_bytes < 1:
+        raise UserError("rollout sequences, tokens and dtype bytes must be >= 0")
+
+
+def stage_layers(settings: PlanSettings, stage: int) -> range:
+    """Global indices of the transformer layers on pipeline stage ``stage`` (an even split)."""
+    per_stage = settings.model.layers // settings.pipeline_parallel
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def parameter_shapes(settings: PlanSettings, stage: int) -> List[Parameter]:
+    """This stage's parameters, in the order Megatron's GPTModel registers them."""
+    model, tp, pp = settings.model, settings.tensor_parallel, settings.pipeline_parallel
+    if not 0 <= stage < pp:
+        raise UserError(f"stage {stage} is outside 0..{pp - 1}")
+    logra = settings.optimizer == "logra"
+    embeddings_sketched = logra and settings.logra.embeddings
+    linear_right, linear_left = (RIGHT, LEFT) if logra else (None, None)
+    vocab_side = RIGHT if embeddings_sketched else None
+    hidden, tied = model.hidden, model.tie_embeddings
+    query = model.heads * model.kv_channels
+    qkv_rows = (query + 2 * model.kv_heads * model.kv_channels) // tp
+    vocab_rows = model.padded_vocab(tp) // tp
+    first, last = stage == 0, stage == pp - 1
+    params = []
+    if first:
+        params.append(Parameter("embedding.word_embeddings.weight", (vocab_rows, hidden), vocab_side,
+                                shared_embedding=tied and pp > 1))
+    for index in stage_layers(settings, stage):
+        prefix = f"decoder.layers.{index}."
+        params.append(Parameter(prefix + "input_layernorm.weight", (hidden,)))
+        params.append(Parameter(prefix + "self_attention.linear_proj.weight", (hidden, query // tp), linear_left))
+        params.append(Parameter(prefix + "self_attention.linear_qkv.weight", (qkv_rows, hidden), linear_right))
+        if model.qkv_bias:
+            params.append(Parameter(prefix + "self_attention.linear_qkv.bias", (qkv_rows,)))
+        params.append(Parameter(prefix + "pre_mlp_layernorm.weight", (hidden,)))
+        params.append(Parameter(prefix + "mlp.linear_fc1.weight", (2 * model.ffn_hidden // tp, hidden), linear_right))
+        params.append(Parameter(prefix + "mlp.linear_fc2.weight", (hidden, model.ffn_hidden // tp), linear_left))
+    if last:
+        params.append(Parameter("decoder.final_layernorm.weight", (hidden,)))
+        if not (tied and pp == 1):  # tied at PP = 1: the output layer uses the embedding's weight
+            params.append(Parameter("output_layer.weight", (vocab_rows, hidden), vocab_side,
+                                    shared_embedding=tied))
+    return params
+
+
+@dataclass(frozen=True)
+class DenseBuffer:
+    """Megatron DDP's layout of the dense parameters: buffer length and its buckets, each as
+    ``(start, end, [(parameter, start, end), ...])``."""
+
+    numel: int
+    buckets: Tuple[tuple, ...]
+
+    def shard(self, dp: int, dp_rank: int) -> List[Tuple[Parameter, int]]:
+        """``(parameter, elements)`` of every parameter intersecting this DP rank's slice of the
+        buckets (the distributed optimizer's masters and moments exist only for these)."""
+        owned = []
+        for start, end, members in self.buckets:
+            size = (end - start) // dp
+            low, high = start + dp_rank * size, start + (dp_rank + 1) * size
+            for param, first, stop in members:
+                elements = min(stop, high) - max(first, low)
+                if elements > 0:
+                    owned.append((param, elements))
+        return owned
+
+
+def _pad(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def dense_buffer(params: List[Parameter], dp: int, distributed: bool) -> DenseBuffer:
+    """Megatron's ``_ParamAndGradBuffer`` layout for ``params`` (one buffer: every dense parameter
+    of a stage has the same dtype; no bucket size limit, since the trainer does not overlap the
+    gradient reduction): parameters in reverse registration order; with the distributed
+    optimizer, starts padded to 64 elements, a bucket end to lcm(DP, 128), and a shared
+    embedding in a bucket of its own."""
+    bucket_multiple = math.lcm(dp, BUCKET_ALIGNMENT)
+    buckets, members, bucket_start, position = [], [], 0, 0
+
+    def close(end: int) -> int:
+        nonlocal members, bucket_start
+        padded = _pad(end, bucket_multiple) if distributed else end
+        buckets.append((bucket_start, padded, tuple(members)))
+        members, bucket_start = [], padded
+        return padded
+
+    for param in reversed(params):
+        if distributed:
+            position = _pad(position, PARAM_ALIGNMENT)
+        own_bucket = param.shared_embedding and distributed
+        if own_bucket and members:
+            position = close(position)
+        members.append((param, position, position + param.numel))
+        position += param.numel
+        if own_bucket:
+            position = close(position)
+    if members:
+        position = close(position)
+    return DenseBuffer(position, tuple(buckets))
+
+
+def _row_range(rows: int, parts: int, part: int) -> int:
+    """Rows of ``part`` among ``parts`` near-equal contiguous ranges (logra/masters.py)."""
+    return rows * (part + 1) // parts - rows * part // parts
+
+
+def _lines(param: Parameter) -> int:
+    """The lines of a weight's sketch that its projection does not mix: its rows (right sketch,
+    the weight's output rows), or its columns (left sketch, the weight's input columns)."""
+    out_features, in_features = param.shape
+    return out_features if param.sketch_side == RIGHT else in_features
+
+
+def _sketch_numel(param: Parameter, rank: int) -> int:
+    out_features, in_features = param.shape
+    return out_features * rank if param.sketch_side == RIGHT else rank * in_features
+
+
+def sketch_rank(settings: PlanSettings, param: Parameter) -> int:
+    """The LoGRA rank of a sketched weight (logra/config.py: ``rank_for``)."""
+    if settings.logra.identity_projection:
+        return param.projected_dim
+    return settings.logra.rank_for(param.projected_dim, param.name)
+
+
+def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] = None) -> int:
+    """Elements of the fp32 mains Megatron's optimizer updates on this rank (masters of bf16
+    parameters, or the fp32 parameters themselves; this DP rank's shard under the distributed
+    optimizer); ``dp_rank`` None: the largest over DP ranks."""
+    dense = [p for p in parameter_shapes(settings, stage) if p.sketch_side is None]
+    buffer = dense_buffer(dense, settings.data_parallel, settings.distributed_optimizer)
+    if not settings.distributed_optimizer:
+        return sum(p.numel for p in dense)
+    ranks = range(settings.data_parallel) if dp_rank is None else [dp_rank]
+    return max(sum(n for _, n in buffer.shard(settings.data_parallel, r)) for r in ranks)
+
+
+def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Dict[str, int]:
+    """Bytes of every component in :data:`STATE_COMPONENTS` on the rank of pipeline stage
+    ``stage`` and data-parallel rank ``dp_rank`` (every TP rank holds the same)."""
+    check_settings(settings)
+    dp, distributed = settings.data_parallel, settings.distributed_optimizer
+    if not 0 <= dp_rank < dp:
+        raise UserError(f"data-parallel rank {dp_rank} is outside 0..{dp - 1}")
+    weight_element = settings.weight_bytes_per_element
+    params = parameter_shapes(settings, stage)
+    dense = [p for p in params if p.sketch_side is None]
+    sketched = [p for p in params if p.sketch_side is not None]
+    buffer = dense_buffer(dense, dp, distributed)
+
+    # Dense parameters: Megatron DDP + Megatron's optimizer.
+    if distributed:
+        mains = buffer.shard(dp, dp_rank)
+        dense_weights = buffer.numel * weight_element  # moved into DDP's padded parameter buffer
+    else:
+        mains = [(p, p.numel) for p in dense]
+        dense_weights = sum(p.numel for p in dense) * weight_element
+    main_numel = sum(n for _, n in mains)
+    state = dict.fromkeys(STATE_COMPONENTS, 0)
+    state["weight_bytes"] = dense_weights + sum(p.numel for p in sketched) * weight_element
+    state["grad_bytes"] = buffer.numel * FP32 if dense else 0
+    state["master_bytes"] = main_numel * FP32 if settings.bf16 else 0
+    state["moment_bytes"] = main_numel * 2 * FP32 + len(mains) * ADAM_STEP_BYTES
+    if settings.kl_control != "off":
+        state["controller_extra_bytes"] = 2 * main_numel * FP32
+
+    # Sketched weights: LoGRA's sketch buffer, probes, sketch-space Adam, projections, masters.
+    if sketched:
+        logra = settings.logra
+        zero1 = distributed
+        ranks = [sketch_rank(settings, p) for p in sketched]
+        sketch_numel = sum(_sketch_numel(p, r) for p, r in zip(sketched, ranks))
+        flat = _pad(sketch_numel, dp) if zero1 else sketch_numel
+        probes = 0 if logra.identity_projection or logra.update == "rowadam" else logra.norm_probes
+        probe_samples = sum(probes * _lines(p) for p in sketched)
+        state["sketch_bytes"] = (flat + probe_samples) * FP32
+        state["norm_probe_bytes"] = sum(probes * p.projected_dim for p in sketched) * FP32
+        if logra.update == "rowadam":  # one second moment per line of every sketch, never sliced
+            state["moment_bytes"] += sum(_lines(p) for p in sketched) * FP32
+        else:  # sketch-space AdamW: two moments per element of this rank's slice
+            state["moment_bytes"] += 2 * (flat // dp if zero1 else flat) * FP32
+        state["projection_bytes"] = sum(p.projected_dim * r for p, r in zip(sketched, ranks)) * FP32
+        if settings.bf16 and logra.master == "fp32":
+            sharded = zero1 and dp > 1
+            state["master_bytes"] += FP32 * sum(
+                (_row_range(p.shape[0], dp, dp_rank) if sharded else p.shape[0]) * p.shape[1] for p in sketched)
+
+    # Beside training: a frozen reference policy and a colocated rollout engine.
+    stage_numel = sum(p.numel for p in params)
+    if settings.reference_model:
+        state["reference_model_bytes"] = stage_numel * weight_element
+    state["rollout_bytes"] = rollout_bytes(settings, stage)
+    return state
+
+
+def kv_cache_bytes(settings: PlanSettings, stage: int) -> int:
+    """``2 (K and V) x layers on the stage x kv heads / TP x head dim x tokens x bytes``; the
+    tokens are this DP replica's sequences in flight times their length (prompt + response)."""
+    model, rollout = settings.model, settings.rollout
+    tokens = rollout.sequences_in_flight * rollout.max_tokens
+    heads = model.kv_heads // settings.tensor_parallel
+    return 2 * len(stage_layers(settings, stage)) * heads * model.kv_channels * tokens * rollout.dtype_bytes
+
+
+def rollout_bytes(settings: PlanSettings, stage: int) -> int:
+    """A colocated rollout engine on this rank: its own copy of this stage's weights (sharded
+    like the trainer's) when it keeps one, and its KV cache."""
+    rollout = settings.rollout
+    weights = 0
+    if rollout.separate_weights and rollout.sequences_in_flight > 0:
+        weights = sum(p.numel for p in parameter_shapes(settings, stage)) * rollout.dtype_bytes
+    return weights + kv_cache_bytes(settings, stage)
+
+
+def worst_dp_rank_state(settings: PlanSettings, stage: int) -> Tuple[int, Dict[str, int]]:
+    """``(dp_rank, components)`` of the DP rank of ``stage`` that holds the most state (ranks
+    differ only by the distributed optimizer's padding; without it every rank is the same)."""
+    ranks = range(settings.data_parallel) if settings.distributed_optimizer else [0]
+    best = None
+    for rank in ranks:
+        state = stage_state(settings, stage, rank)
+        if best is None or sum(state.values()) > sum(best[1].values()):
+            best = (rank, state)
+    return best
+
+
+def refresh_step_bytes(settings: PlanSettings, stage: int) -> int:
+    """Extra fp32 bytes live through the backward of a LoGRA refresh step (logra/refresh.py):
+    per sketched weight a Gaussian test matrix (the non-projected side x (rank + oversampling))
+    and the range sample (projected side x the same columns)."""
+    total = 0
+    if settings.logra.identity_projection or settings.logra.update == "rowadam":
+        return 0  # never refreshed; rowadam redraws its projections without a range finder
+    for param in parameter_shapes(settings, stage):
+        if param.sketch_side is None:
+            continue
+        out_features, in_features = param.shape
+        other = out_features if param.sketch_side == RIGHT else in_features
+        columns = min(sketch_rank(settings, param) + settings.logra.oversampling, param.projected_dim)
+        total += (other + param.projected_dim) * columns * FP32
+    return total
+
+
+def proposal_update_bytes(settings: PlanSettings, stage: int) -> int:
+    """Bytes of LoGRA's proposed low-rank update ``U`` (one full-length flat fp32 tensor laid out
+    like the sketch buffer, held from propose to commit; logra/optimizer.py)."""
+    sketched = [p for p in parameter_shapes(settings, stage) if p.sketch_side is not None]
+    numel = sum(_sketch_numel(p, sketch_rank(settings, p)) for p in sketched)
+    if settings.distributed_optimizer:
+        numel = _pad(numel, settings.data_parallel)
+    return numel * FP32

@@ -1,0 +1,213 @@
+"""The memory plan against a measured run: ``tools/plan_memory.py ... --validate``.
+
+Builds the model and optimizer at the flags' layout (re-launching the tool under torchrun on
+TP x PP x DP local ranks when that is more than one), runs ``--steps`` real steps (the
+benchmark's step: the LM loss forward/backward through Megatron's schedule, then the KL
+controller around the optimizer) and two more under
+:class:`~logra_megatron.platform.memory.AllocationTracker` (on the CPU the smaller of their
+peaks: the tracker's replay may keep a block a gloo thread freed unseen, see
+``logra_megatron/platform/memory.py``), then compares per rank:
+
+- every training-state component of :mod:`logra_megatron.planning.state`, measured from the live
+  tensors (storages counted once, :func:`logra_megatron.training.measure.measure_components`,
+  plus the norm probes' directions);
+- the peak of tracked tensor allocations during the step against
+  :func:`logra_megatron.planning.activations.peak_step_bytes` (``platform="cpu"`` on a machine
+  without CUDA: what the CPU tracker records).
+
+Bounds: 5% per component, 10% for the peak; a component that is 0 in both is exact. Prints a
+table per rank, or with ``--json`` one object; exits with status 1 when a figure is out of
+bounds.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Dict, List
+
+from logra_megatron.planning.arguments import optimizers_of, settings_from_args
+from logra_megatron.planning.settings import PlanSettings
+
+COMPONENT_BOUND = 0.05
+PEAK_BOUND = 0.10
+TRACKED_STEPS = 2
+MEASURED_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "norm_probe_bytes",
+                       "moment_bytes", "projection_bytes", "controller_extra_bytes")
+"""The state components a training run holds (a reference model and a rollout engine are not
+built by the validation: those are plain weight and KV-cache sizes)."""
+
+
+def relative_error(predicted: int, measured: int) -> float:
+    """``(predicted - measured) / measured``; 0 when both are 0, inf when only the measurement is."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return (predicted - measured) / measured
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _relaunch(nproc: int) -> None:
+    """Run this script again under torchrun on ``nproc`` local ranks; exit with its status."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(sys.argv[0]),
+               *sys.argv[1:]]
+    sys.stdout.flush()
+    sys.exit(subprocess.call(command, env=env))
+
+
+def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, tracked_steps: int = TRACKED_STEPS) -> Dict:
+    """Build ``settings``' model and optimizer at the current process groups (initialized for
+    its TP x PP), run ``steps`` steps and ``tracked_steps`` tracked ones; this rank's predicted
+    and measured figures. Collective: every rank calls it with the same settings."""
+    import gc
+
+    import torch
+
+    from logra_megatron import parallel
+    from logra_megatron.planning import activations, state
+    from logra_megatron.platform import cuda_available
+    from logra_megatron.platform.memory import AllocationTracker
+    from logra_megatron.training.config import KLControlConfig, OptimizerSettings, RecomputeConfig
+    from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
+    from logra_megatron.training.lm import lm_forward_backward
+    from logra_megatron.training.measure import measure_components
+    from logra_megatron.training.setup import build_trainable
+
+    granularity = None if settings.recompute_granularity == "none" else settings.recompute_granularity
+    recompute = RecomputeConfig(granularity, settings.recompute_method, settings.recompute_num_layers)
+    dtype = torch.bfloat16 if settings.bf16 else torch.float32
+    model, ddp, optimizer = build_trainable(
+        settings.model, OptimizerSettings(kind=settings.optimizer, lr=1e-4, distributed=settings.distributed_optimizer),
+        settings.logra, dtype=dtype, seed=seed, recompute=recompute)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, settings.model.vocab, (settings.global_batch_size, settings.seq_length + 1),
+                           generator=generator)
+    per_replica = settings.global_batch_size // parallel.dp_size()
+    mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica]
+    rows_per_pass, _ = activations.probe_layout(settings)
+    rows = mine[:min(settings.kl_probe_sequences, per_replica)]
+    probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=rows_per_pass)
+    controller = PredictedKLController(KLControlConfig(mode=settings.kl_control, realized_interval=0,
+                                                       probe_sequences=settings.kl_probe_sequences))
+
+    def step():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = lm_forward_backward(ddp, mine, settings.micro_batch_size)
+        return loss, controller.step(ddp, optimizer, probe)
+
+    for _ in range(steps):
+        step()
+    # Several tracked steps: on the CPU a replay can only gain bytes it did not see freed (a
+    # gloo thread's frees whose address was not reused, platform/memory.py), so the smallest of
+    # identical steps is the closest.
+    peaks = []
+    for _ in range(tracked_steps):
+        gc.collect()
+        with AllocationTracker() as tracked:
+            loss, control = step()
+        peaks.append(tracked.peak_bytes)
+    measured = measure_components(model, ddp, optimizer, control["controller_extra_bytes"])
+    weights = getattr(optimizer, "weights", [])
+    measured["norm_probe_bytes"] = sum(entry.sketch.norm_probe.numel() * entry.sketch.norm_probe.element_size()
+                                       for entry in weights if entry.sketch.norm_probe is not None)
+    stage, dp_rank = parallel.pp_rank(), parallel.dp_rank()
+    predicted_state = state.stage_state(settings, stage, dp_rank)
+    platform = "cuda" if cuda_available() else "cpu"
+    step_plan = activations.activation_bytes(settings, stage, platform)
+    components = {}
+    for name in MEASURED_COMPONENTS:
+        predicted, actual = predicted_state.get(name, 0), measured.get(name, 0)
+        components[name] = {"predicted": predicted, "measured": actual, "error": relative_error(predicted, actual)}
+    measured_peak = min(peaks)
+    peak = {"predicted": step_plan["peak_step_bytes"], "measured": measured_peak,
+            "error": relative_error(step_plan["peak_step_bytes"], measured_peak),
+            "tracked_peaks": peaks}
+    record = {"rank": torch.distributed.get_rank(), "tp": parallel.tp_rank(), "pp": stage, "dp": dp_rank,
+              "optimizer": settings.optimizer, "bf16": settings.bf16, "platform": platform, "loss": loss,
+              "components": components, "peak_step": peak,
+              "plan_breakdown": {k: v for k, v in step_plan.items() if k != "peak_step_bytes"}}
+    record["within_bounds"] = within_bounds(record)
+    return record
+
+
+def within_bounds(record: Dict) -> bool:
+    """Every component within 5%, the step's peak within 10%."""
+    components_ok = all(abs(item["error"]) <= COMPONENT_BOUND for item in record["components"].values())
+    return components_ok and abs(record["peak_step"]["error"]) <= PEAK_BOUND
+
+
+def _gather(record) -> List:
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, record)
+    return everyone
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:10.3f}"
+
+
+def print_table(records: List[Dict]) -> None:
+    for record in records:
+        flag = "ok" if record["within_bounds"] else "OUT OF BOUNDS"
+        print(f"rank {record['rank']} (tp {record['tp']} pp {record['pp']} dp {record['dp']}) "
+              f"{record['optimizer']} {'bf16' if record['bf16'] else 'fp32'} [{record['platform']}]: {flag}")
+        print(f"  {'component':<26}{'predicted MiB':>14}{'measured MiB':>14}{'error':>9}")
+        rows = list(record["components"].items()) + [("peak_step_bytes", record["peak_step"])]
+        for name, item in rows:
+            error = item["error"]
+            shown = "exact" if item["predicted"] == item["measured"] else f"{100 * error:+.2f}%"
+            print(f"  {name:<26}{_mib(item['predicted']):>14}{_mib(item['measured']):>14}{shown:>9}")
+
+
+def main_validate(args) -> int:
+    """``tools/plan_memory.py --validate``: ``args`` are the planner's parsed flags (plus
+    ``--steps`` and ``--json``). Returns the exit status (1: out of bounds)."""
+    from logra_megatron.errors import UserError
+
+    settings_list = [settings_from_args(args, optimizer) for optimizer in optimizers_of(args)]
+    first = settings_list[0]
+    if args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    if first.rollout.sequences_in_flight or first.reference_model:
+        raise UserError("--validate measures training only: drop --rollout-sequences and --reference-model")
+    world = first.world_size
+    if not _under_torchrun():
+        if world > 1:
+            _relaunch(world)
+    elif int(os.environ["WORLD_SIZE"]) != world:
+        raise UserError(f"--validate at TP x PP x DP = {world} ranks, but torchrun started {os.environ['WORLD_SIZE']}")
+    from logra_megatron import parallel
+    from logra_megatron.planning.state import check_settings
+
+    for settings in settings_list:
+        check_settings(settings)
+    parallel.initialize(first.tensor_parallel, first.pipeline_parallel, seed=1234)
+    try:
+        records = []
+        for settings in settings_list:
+            records.extend(_gather(measure_settings(settings, args.steps)))
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            if args.json:
+                print(json.dumps({"bounds": {"component": COMPONENT_BOUND, "peak": PEAK_BOUND},
+                                  "all_within_bounds": all(r["within_bounds"] for r in records),
+                                  "ranks": records}))
+            else:
+                print_table(records)
+        status = 0 if all(r["within_bounds"] for r in records) else 1
+    finally:
+        parallel.destroy()
+    return status

@@ -1,0 +1,253 @@
+"""The memory planner (logra_megatron/planning, tools/plan_memory.py): per-parameter figures of
+Megatron's dense Adam, LoGRA's sketch bytes against a built model and logra/accounting.py, the
+planned state against the live tensors of tiny in-process runs, and the command line.
+
+Multi-rank layouts are measured against the plan by logra_megatron/planning/validate.py."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_harness import REPO
+
+from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.models.config import get_preset
+from logra_megatron.planning.plan import fits, plan_memory, search_layouts
+from logra_megatron.planning.settings import PlanSettings, RolloutPlan
+from logra_megatron.planning.state import ADAM_STEP_BYTES, parameter_shapes, stage_state
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+GIB = 1024**3
+MEGATRON_STATE = ("weight_bytes", "grad_bytes", "master_bytes", "moment_bytes")
+
+
+def _dense(model, **changes) -> PlanSettings:
+    return PlanSettings(model=model, optimizer="adam", bf16=True, kl_control="off",
+                        global_batch_size=8, **changes)
+
+
+def test_dense_bf16_adam_is_18_bytes_per_parameter():
+    settings = _dense(get_preset("qwen2.5-7b"), tensor_parallel=2, pipeline_parallel=2)
+    for stage in (0, 1):
+        params = parameter_shapes(settings, stage)
+        numel = sum(p.numel for p in params)
+        state = stage_state(settings, stage)
+        # 2 (bf16 weight) + 4 (fp32 grad) + 4 (fp32 master) + 8 (two fp32 moments), plus torch's
+        # 4-byte step counter per tensor.
+        assert sum(state[key] for key in MEGATRON_STATE) == 18 * numel + ADAM_STEP_BYTES * len(params)
+        assert state["weight_bytes"] == 2 * numel and state["moment_bytes"] > 8 * numel > 0
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_distributed_optimizer_is_6_plus_12_over_d_bytes_per_parameter(dp):
+    settings = _dense(get_preset("qwen2.5-7b"), tensor_parallel=2, data_parallel=dp, distributed_optimizer=True)
+    numel = sum(p.numel for p in parameter_shapes(settings, 0))
+    for rank in range(dp):
+        state = stage_state(settings, 0, dp_rank=rank)
+        per_param = sum(state[key] for key in MEGATRON_STATE) / numel
+        # exact up to Megatron's padding (64-element parameter starts, lcm(DP, 128) buckets)
+        assert per_param == pytest.approx(6 + 12 / dp, rel=1e-4)
+        assert per_param != pytest.approx(18, rel=1e-2)
+    # and the planned number of bytes per GPU drops with DP as the docs say
+    plans = [plan_memory(settings.with_changes(data_parallel=d)).total_per_gpu for d in (1, 2, 4)]
+    assert plans[0] > plans[1] > plans[2]
+
+
+def test_fp32_dense_adam_has_no_masters():
+    settings = _dense(get_preset("tiny")).with_changes(bf16=False)
+    state = stage_state(settings, 0)
+    numel = sum(p.numel for p in parameter_shapes(settings, 0))
+    assert state["master_bytes"] == 0 and state["weight_bytes"] == state["grad_bytes"] == 4 * numel
+
+
+def test_pipeline_stages_place_embeddings_like_megatron():
+    untied = _dense(get_preset("qwen2.5-7b"), pipeline_parallel=4)
+    names = [[p.name for p in parameter_shapes(untied, stage)] for stage in range(4)]
+    assert names[0][0] == "embedding.word_embeddings.weight" and "output_layer.weight" in names[3]
+    assert not any("embedding" in n or "output_layer" in n for n in names[1] + names[2])
+    tied = _dense(get_preset("qwen2.5-1.5b"))  # tied at PP 1: one weight
+    assert "output_layer.weight" not in [p.name for p in parameter_shapes(tied, 0)]
+    tied_pp = tied.with_changes(pipeline_parallel=2)  # the last stage keeps a copy
+    last = {p.name: p for p in parameter_shapes(tied_pp, 1)}
+    assert last["output_layer.weight"].shared_embedding
+    vocab_rows = get_preset("qwen2.5-1.5b").padded_vocab(4) // 4
+    sharded = {p.name: p.shape for p in parameter_shapes(tied_pp.with_changes(tensor_parallel=4), 0)}
+    assert sharded["embedding.word_embeddings.weight"] == (vocab_rows, 1536)
+    assert sharded["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 8960 // 4, 1536)  # column-parallel
+    assert sharded["decoder.layers.0.mlp.linear_fc2.weight"] == (1536, 8960 // 4)  # row-parallel
+    assert sharded["decoder.layers.0.input_layernorm.weight"] == (1536,)  # replicated
+
+
+def _built(kind, bf16=False, distributed=False, embeddings=False, update="adam", **model_changes):
+    """A tiny model built at TP 1 with its optimizer, one step taken under the KL controller."""
+    import torch
+
+    from logra_megatron import parallel
+    from logra_megatron.training.config import KLControlConfig, OptimizerSettings
+    from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
+    from logra_megatron.training.lm import lm_forward_backward
+    from logra_megatron.training.setup import build_trainable
+
+    model_config = get_preset("tiny").with_changes(**model_changes)
+    logra = LogRAConfig(rank=16, embeddings=embeddings, zero1=distributed, update=update)
+    parallel.initialize(1, 1)
+    model, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=kind, distributed=distributed),
+                                            logra, dtype=torch.bfloat16 if bf16 else torch.float32)
+    tokens = torch.randint(0, model_config.vocab, (2, 17))
+    probe = ProbeSet(tokens[:1], torch.ones(1, 17), micro_batch_size=1)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    lm_forward_backward(ddp, tokens, 2)
+    control = PredictedKLController(KLControlConfig(mode="probe", realized_interval=0)).step(ddp, optimizer, probe)
+    settings = PlanSettings(model=model_config, optimizer=kind, distributed_optimizer=distributed, bf16=bf16,
+                            logra=logra, kl_control="probe", micro_batch_size=2, global_batch_size=2)
+    return model, optimizer, control, settings
+
+
+def _measured(model, optimizer, control) -> dict:
+    """Live tensors by component, as tools/benchmark_optimizer.py measures them (plus the norm
+    probes' directions)."""
+    from logra_megatron.platform.memory import tensor_bytes
+
+    seen = set()
+    state = optimizer.state_bytes()
+    weights = tensor_bytes(model.parameters(), seen)
+    sketches = directions = 0
+    if hasattr(optimizer, "sketch_buffer"):
+        samples = optimizer.norm_estimator.flat if optimizer.norm_estimator is not None else None
+        sketches = tensor_bytes([optimizer.sketch_buffer.flat, samples], seen)
+        directions = tensor_bytes([entry.sketch.norm_probe for entry in optimizer.weights], seen)
+    return {"weight_bytes": weights, "master_bytes": state["master_weight_bytes"],
+            "grad_bytes": state["grad_bytes"] - sketches, "sketch_bytes": sketches, "norm_probe_bytes": directions,
+            "moment_bytes": state["optimizer_state_bytes"], "projection_bytes": state["projection_bytes"],
+            "controller_extra_bytes": control["controller_extra_bytes"]}
+
+
+@pytest.mark.parametrize("kind,bf16,distributed,embeddings,tied,update", [
+    ("adam", False, False, False, False, "adam"), ("logra", False, False, False, False, "adam"),
+    ("adam", True, True, False, True, "adam"), ("logra", True, True, True, True, "adam"),
+    ("logra", True, False, True, False, "rowadam")])
+def test_planned_state_equals_the_live_tensors(kind, bf16, distributed, embeddings, tied, update):
+    model, optimizer, control, settings = _built(kind, bf16, distributed, embeddings, update,
+                                                 tie_embeddings=tied, qkv_bias=tied)
+    planned = stage_state(settings, 0)
+    measured = _measured(model, optimizer, control)
+    assert {key: planned[key] for key in measured} == measured
+    assert measured["weight_bytes"] > 0 and measured["moment_bytes"] > 0 and measured["controller_extra_bytes"] > 0
+    assert (measured["sketch_bytes"] > 0) == (kind == "logra")
+    assert (measured["master_bytes"] > 0) == bf16
+
+
+def test_logra_sketch_bytes_match_the_built_sketches_and_the_accounting():
+    from logra_megatron.logra.accounting import state_bytes
+    from logra_megatron.logra.sketch import LinearSketch
+
+    model, optimizer, _, settings = _built("logra", bf16=True)
+    planned = stage_state(settings, 0)
+    sketch_numel = sum(math.prod(LinearSketch.sketch_shape(e.sketch.side, e.sketch.out_features,
+                                                           e.sketch.in_features, e.sketch.rank))
+                       for e in optimizer.weights)
+    probes = settings.logra.norm_probes * sum(
+        e.sketch.out_features if e.sketch.side == "right" else e.sketch.in_features for e in optimizer.weights)
+    assert sketch_numel > 0 and planned["sketch_bytes"] == 4 * (sketch_numel + probes)
+    accounted = state_bytes(model, settings.logra)["logra"]
+    assert planned["grad_bytes"] + planned["sketch_bytes"] == accounted.grad_bytes
+    assert planned["projection_bytes"] == accounted.projection_bytes > 0
+    assert planned["master_bytes"] == accounted.master_weight_bytes > 0
+    steps = ADAM_STEP_BYTES * sum(1 for p in parameter_shapes(settings, 0) if p.sketch_side is None)
+    assert planned["moment_bytes"] == accounted.optimizer_state_bytes + steps
+
+
+def test_kv_cache_engine_weights_and_reference_model():
+    model = get_preset("qwen2.5-32b")
+    shared = _dense(model, tensor_parallel=8, reference_model=True,
+                    rollout=RolloutPlan(sequences_in_flight=4, max_tokens=1000, separate_weights=False))
+    state = stage_state(shared, 0)
+    # K and V x 64 layers x 8 kv heads / TP 8 x head dim 128 x 4000 tokens x 2 bytes
+    assert state["rollout_bytes"] == 2 * 64 * 1 * 128 * 4000 * 2
+    assert state["reference_model_bytes"] == state["weight_bytes"] > 0
+    separate = stage_state(shared.with_changes(rollout=RolloutPlan(4, 1000, separate_weights=True)), 0)
+    assert separate["rollout_bytes"] == state["rollout_bytes"] + state["weight_bytes"]
+
+
+def test_search_prefers_the_layout_with_the_most_headroom():
+    base = PlanSettings(model=get_preset("qwen2.5-32b"), bf16=True, optimizer="logra",
+                        logra=LogRAConfig(rank=256), global_batch_size=8)
+    choices = search_layouts(base, 8, 80 * GIB, optimizers=("adam", "logra"))
+    for choice in choices.values():
+        totals = [row["total_per_gpu_bytes"] for row in choice.candidates]
+        assert choice.plan.total_per_gpu == min(totals) and len(set(totals)) > 1
+        assert fits(choice.plan, 80 * GIB)[1] == 80 * GIB - choice.plan.total_per_gpu
+    assert choices["logra"].plan.total_per_gpu < choices["adam"].plan.total_per_gpu
+    assert all(row["tensor_parallel"] <= 8 for row in choices["logra"].candidates)
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def _cli(*args, check=True):
+    proc = subprocess.run([sys.executable, "tools/plan_memory.py", *args], capture_output=True, text=True,
+                          timeout=120, env=ENV, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_cli_prints_a_table_for_both_optimizers():
+    out = _cli("--preset", "gemma-2-27b", "--bf16", "--tensor-model-parallel-size", "8",
+               "--gpus", "8", "--gpu-memory-gib", "141", "--global-batch-size", "8").stdout
+    assert "dense Adam: TP 8 x PP 1 x DP 1" in out and "LoGRA: TP 8 x PP 1 x DP 1" in out
+    assert "weight_bytes" in out and "sketch_bytes" in out and "total" in out and "headroom" in out
+
+
+def test_cli_json_and_model_config_file(tmp_path):
+    config = tmp_path / "model_config.json"
+    config.write_text(json.dumps(get_preset("tiny").to_dict()))
+    report = json.loads(_cli("--model-config", str(config), "--pipeline-model-parallel-size", "2",
+                             "--global-batch-size", "4", "--json").stdout)
+    assert set(report["plans"]) == {"adam", "logra"}
+    for plan in report["plans"].values():
+        assert len(plan["stages"]) == 2 and plan["total_per_gpu_bytes"] > 0
+        assert plan["total_per_gpu_bytes"] == max(stage["total_bytes"] for stage in plan["stages"])
+    assert report["settings"]["model"]["hidden"] == 64
+
+
+def test_cli_search_on_8_gpus_of_80_gb_dense_does_not_fit_logra_does():
+    # the README's command: rank 256, 64 rollout sequences of 2048 tokens colocated (KV cache)
+    report = json.loads(_cli("--preset", "qwen2.5-32b", "--bf16", "--gpus", "8", "--gpu-memory-gib", "80",
+                             "--search", "--logra-rank", "256", "--rollout-sequences", "64", "--json").stdout)
+    dense, logra = report["search"]["adam"]["best"], report["search"]["logra"]["best"]
+    assert not dense["fits"] and dense["headroom_bytes"] < 0
+    assert logra["fits"] and logra["headroom_bytes"] > 10 * GIB
+    assert all(not row["fits"] for row in report["search"]["adam"]["candidates"])
+    kv_cache = 2 * 64 * 8 * 128 * 64 * 2048 * 2 // (logra["layout"]["tensor_parallel"] * logra["layout"]["pipeline_parallel"])
+    assert logra["stages"][0]["components"]["rollout_bytes"] == kv_cache
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--preset", "gpt-9"), "invalid choice"),
+    (("--preset", "qwen2.5-32b", "--tensor-model-parallel-size", "3"), "not divisible by tensor-parallel"),
+    (("--preset", "tiny", "--pipeline-model-parallel-size", "3"), "not divisible by pipeline-parallel"),
+    (("--preset", "tiny", "--gpus", "6", "--tensor-model-parallel-size", "4"), "not divisible by TP"),
+    (("--preset", "tiny", "--search"), "--search needs --gpus"),
+    (("--model-config", "/nonexistent/model_config.json"), "cannot read --model-config"),
+])
+def test_cli_bad_input_is_one_error_line(args, message):
+    proc = _cli(*args, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], proc.stderr
+
+
+def test_cli_plot_writes_a_png(tmp_path):
+    path = tmp_path / "memory.png"
+    proc = _cli("--preset", "qwen2.5-7b", "--bf16", "--gpus", "8", "--gpu-memory-gib", "80", "--search",
+                "--global-batch-size", "8", "--plot", str(path), check=False)
+    if importlib.util.find_spec("matplotlib") is None:  # the planner still answers in one line
+        assert proc.returncode == 2 and "needs matplotlib" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

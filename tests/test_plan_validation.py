@@ -1,0 +1,76 @@
+"""The memory planner (logra_megatron/planning) against measured runs of tiny: every training
+state component within 5% and the step's peak of tracked allocations within 10%, per rank, at
+TP2 x PP2 and at DP2 with the distributed optimizer, dense Adam and LoGRA, fp32 and bf16 (one
+torchrun launch per layout: tests/workers/plan_validation_checks.py). In-process: what the
+activation model must show (recomputation, pipeline depth, the CPU tracker's view)."""
+
+import dataclasses
+
+import pytest
+
+from dist_harness import result, run_workers
+from logra_megatron.errors import UserError
+from logra_megatron.models.config import get_preset
+from logra_megatron.planning.activations import activation_bytes
+from logra_megatron.planning.settings import PlanSettings
+from logra_megatron.planning.validate import COMPONENT_BOUND, PEAK_BOUND
+
+COMBOS = ("adam_fp32", "adam_bf16", "logra_fp32", "logra_bf16")
+LAYOUTS = {"tp2pp2": 4, "dp2dist": 2}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return {layout: run_workers("plan_validation_checks.py", ranks, tmp_path_factory.mktemp(layout),
+                                args=("--layout", layout))
+            for layout, ranks in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("layout", tuple(LAYOUTS))
+def test_plan_matches_measurement(measured, layout, combo):
+    for rank in range(LAYOUTS[layout]):
+        record = result(measured[layout], combo, rank)
+        where = f"{layout} {combo} rank {rank}"
+        nonzero = [name for name, item in record["components"].items() if item["measured"] > 0]
+        assert "weight_bytes" in nonzero and "moment_bytes" in nonzero, where
+        for name, item in record["components"].items():
+            assert abs(item["error"]) <= COMPONENT_BOUND, (where, name, item)
+        peak = record["peak_step"]
+        assert peak["measured"] > 0 and peak["predicted"] > 0, where
+        assert abs(peak["error"]) <= PEAK_BOUND, (where, peak, record["plan_breakdown"])
+
+
+def _settings(**changes):
+    base = PlanSettings(model=get_preset("tiny"), optimizer="adam", kl_control="off", micro_batch_size=2,
+                        global_batch_size=8, seq_length=64)
+    return dataclasses.replace(base, **changes)
+
+
+def test_recompute_lowers_the_saved_activations():
+    none = activation_bytes(_settings(), 0)
+    selective = activation_bytes(_settings(recompute_granularity="selective"), 0)
+    full = activation_bytes(_settings(recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=1), 0)
+    assert full["peak_step_bytes"] < selective["peak_step_bytes"] < none["peak_step_bytes"]
+    assert full["recompute_bytes"] > 0
+
+
+def test_the_first_pipeline_stage_holds_a_microbatch_per_stage():
+    settings = _settings(pipeline_parallel=2, global_batch_size=8)
+    first, last = activation_bytes(settings, 0), activation_bytes(settings, 1)
+    assert first["microbatches_in_flight"] == 2 and last["microbatches_in_flight"] == 1
+    per_layer_first = first["saved_activations_bytes"]
+    assert per_layer_first > last["saved_activations_bytes"]
+
+
+def test_the_cpu_tracker_counts_widened_bf16_products():
+    settings = _settings(bf16=True)
+    assert activation_bytes(settings, 0, "cpu")["peak_step_bytes"] > activation_bytes(settings, 0, "cuda")["peak_step_bytes"]
+
+
+def test_bad_recompute_settings_are_one_error():
+    with pytest.raises(UserError, match="recompute-num-layers"):
+        activation_bytes(_settings(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3), 0)
+    with pytest.raises(UserError, match="platform"):
+        activation_bytes(_settings(), 0, "tpu")
