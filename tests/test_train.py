@@ -109,6 +109,8 @@ def test_summary_has_the_documented_fields(base):
         assert key in summary
     assert summary["optimizer"] == "logra" and summary["steps"] == 3
     assert summary["state_bytes"]["logra"] < summary["state_bytes"]["dense"]
+    # The planner's figure per GPU for this run, printed at start-up (rl/memory_plan.py).
+    assert 0 < summary["memory_plan_bytes"]["logra"] < summary["memory_plan_bytes"]["adam"]
     assert len(rows) == 3
     assert rows[0]["lr"] > rows[1]["lr"] > rows[2]["lr"]  # cosine decay to --min-lr (0)
     for row in rows:

@@ -32,6 +32,7 @@ from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state,
 from logra_megatron.rl.config import TrainConfig, resolve
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.evaluation import EvalResult, evaluate_records
+from logra_megatron.rl.memory_plan import plan_line, plan_summary
 from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.minibatches import combine_steps, kept_rows, select_rows, split_minibatches, tied_groups
 from logra_megatron.rl.reward_runner import RewardRunner
@@ -109,6 +110,8 @@ def train(config: TrainConfig) -> dict:
     """Run the whole job; returns the summary (with ``summary_path`` on the logging rank)."""
     run = build(config)
     summary = run.state.summary
+    summary["memory_plan_bytes"] = plan_summary(run.config, torch.distributed.get_world_size(), rollout_length(run))
+    run.logger.info(plan_line(summary["memory_plan_bytes"]))
     if "held_out_accuracy_initial" not in summary:
         record_accuracy(run, "held_out_accuracy_initial", "initial")
     if not run.state.warmup_done:
@@ -208,8 +211,7 @@ def supervised_warmup(run: Run) -> None:
         run.optimizer, max_lr=warmup.lr, min_lr=warmup.lr if warmup.min_lr is None else warmup.min_lr,
         decay_steps=max(1, warmup.iters - 1), decay_style="constant" if warmup.min_lr is None else "cosine",
         weight_decay=config.optimizer.weight_decay)
-    seq_length = (max(len(run.tokenizer.encode(run.prompt_format.prompt(r))) for r in run.held_out)
-                  + config.sampling.max_new_tokens + SEQ_LENGTH_MARGIN)
+    seq_length = rollout_length(run) + SEQ_LENGTH_MARGIN
     batch = config.rollout.prompts_per_step * config.advantages.group_size
     for step in range(warmup.iters):
         records = _my_share(run.tasks.train_prompts(batch, step=WARMUP_PROMPT_STREAM + step))
@@ -378,6 +380,12 @@ def write_summary(run: Run, finished: bool) -> dict:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+def rollout_length(run: Run) -> int:
+    """Tokens of the longest held-out prompt plus ``--max-new-tokens``: a rollout's width."""
+    return (max(len(run.tokenizer.encode(run.prompt_format.prompt(r))) for r in run.held_out)
+            + run.config.sampling.max_new_tokens)
+
 
 def supervised_batch(records, tokenizer, seq_length, prompt_format: Optional[PromptFormat] = None):
     """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS; the prompt
