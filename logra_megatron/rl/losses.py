@@ -41,6 +41,7 @@ The log-probs themselves come from vocab-parallel logits: see
 :mod:`logra_megatron.ops.vocab_parallel`.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,6 +73,10 @@ class PolicyLossConfig:
                                           "into this many minibatches, each one KL-controlled optimizer step")
     ppo_epochs: int = option(1, help="passes over each rollout batch; the old log-probs are computed once per "
                                      "batch, so after the first step the ratio departs from 1 and clipping acts")
+    tis_cap: float = option(0.0, help="truncated importance sampling (verl's TIS): weight each token's "
+                                      "policy-gradient term by min(exp(logp_trainer_old - logp_engine), C) for "
+                                      "a rollout engine whose log-probs differ from the trainer's (vllm); "
+                                      "0 = off; no effect with an engine that returns no log-probs")
 
     def __post_init__(self):
         if not 0.0 <= self.clip_low < 1.0:
@@ -87,6 +92,8 @@ class PolicyLossConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kl_coef < 0.0:
             raise UserError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if not (self.tis_cap >= 0.0 and math.isfinite(self.tis_cap)):
+            raise UserError(f"--tis-cap must be a finite number >= 0 (0 = off), got {self.tis_cap}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise UserError(
                 f"unknown KL estimator {self.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}"
@@ -154,6 +161,7 @@ def clipped_surrogate_loss(
     normalizer: Optional[float] = None,
     clip_ratio_c: float = 0.0,
     agg_mode: str = "token-mean",
+    token_weights: Optional[torch.Tensor] = None,
 ):
     """Token-level PPO/GRPO clipped surrogate, with the dual clip when ``clip_ratio_c > 1``
     (module docstring).
@@ -166,6 +174,8 @@ def clipped_surrogate_loss(
         normalizer: divide by this instead of the mask's count (:func:`aggregate_loss`).
         clip_ratio_c: the dual clip's cap for negative advantages (0: off).
         agg_mode: one of ``LOSS_AGG_MODES``.
+        token_weights: ``[batch, seq]`` constant factors on each token's term after clipping
+            (truncated importance sampling, :func:`tis_weights`); None: 1.
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached 0-dim tensors ``clip_fraction``
@@ -185,6 +195,8 @@ def clipped_surrogate_loss(
         cap = -advantages * clip_ratio_c
         dual_clipped = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual_clipped, cap, per_token)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     loss = aggregate_loss(per_token, mask, agg_mode, normalizer)
 
     with torch.no_grad():
@@ -221,6 +233,17 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     raise UserError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
 
 
+def tis_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                cap: float) -> torch.Tensor:
+    """Truncated importance sampling weights ``min(exp(old - engine), cap)`` per response token
+    (1 elsewhere): the rollout engine sampled from its own distribution, which differs from the
+    trainer's old policy by rounding and kernels; the policy gradient is an expectation under the
+    trainer's, so each token is reweighted by the ratio, truncated at ``cap`` to bound variance."""
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, old_logprobs.detach() - engine_logprobs.detach(), torch.zeros_like(old_logprobs))
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -230,16 +253,26 @@ def policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
     normalizer: Optional[float] = None,
+    engine_logprobs: Optional[torch.Tensor] = None,
 ):
     """The full GRPO loss: clipped surrogate + ``kl_coef`` * KL - ``entropy_coef`` * entropy,
     each aggregated by ``config.loss_agg_mode`` with the same normalizer. Returns ``(loss, metrics)``; metrics are
-    the surrogate's plus ``pg_loss``, and ``kl`` / ``entropy`` when those terms are on."""
+    the surrogate's plus ``pg_loss``, and ``kl`` / ``entropy`` when those terms are on.
+
+    With ``config.tis_cap > 0`` and the rollout engine's log-probs of the sampled tokens
+    (``engine_logprobs``), the surrogate's tokens carry :func:`tis_weights` (metric
+    ``tis_weight_mean``); the KL and entropy terms do not."""
+    weights = None
+    if config.tis_cap > 0.0 and engine_logprobs is not None:
+        weights = tis_weights(old_logprobs, engine_logprobs, response_mask, config.tis_cap)
     loss, metrics = clipped_surrogate_loss(
         logprobs, old_logprobs, advantages, response_mask,
         clip_low=config.clip_low, clip_high=config.clip_high, normalizer=normalizer,
-        clip_ratio_c=config.clip_ratio_c, agg_mode=config.loss_agg_mode,
+        clip_ratio_c=config.clip_ratio_c, agg_mode=config.loss_agg_mode, token_weights=weights,
     )
     metrics["pg_loss"] = loss.detach()
+    if weights is not None:
+        metrics["tis_weight_mean"] = masked_token_mean(weights, response_mask).detach()
     if config.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs the reference policy's log-probs")

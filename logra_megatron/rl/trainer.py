@@ -119,7 +119,11 @@ def train(config: TrainConfig) -> dict:
         run.state.warmup_done = True
         run.optimizer.reset_state()  # RL starts from clean moments (docs/ARCHITECTURE.md)
         summary["warmup_iters"] = config.warmup.iters
-        record_accuracy(run, "held_out_accuracy_before", "start of RL")
+        if config.warmup.iters:
+            record_accuracy(run, "held_out_accuracy_before", "start of RL")
+        else:  # no warm-up: the weights are the initial ones, and so is their accuracy
+            summary["held_out_accuracy_before"] = summary["held_out_accuracy_initial"]
+            summary["evaluation_before"] = summary["evaluation_initial"]
     scheduler = rl_scheduler(run)
     if config.loss.kl_coef > 0:
         run.reference = frozen_reference(run)
@@ -173,7 +177,9 @@ def build(config: TrainConfig) -> Run:
                            log_interval=config.run.log_interval, first_step=state.step,
                            warmup_done=state.warmup_done)
     return Run(config=config, tokenizer=tokenizer, tasks=tasks, model=model, ddp=ddp, optimizer=optimizer,
-               engine=build_rollout_engine(config.rollout.engine, ddp),
+               engine=build_rollout_engine(config.rollout.engine, ddp, model_config=config.model_config,
+                                           vocab_size=tokenizer.vocab_size,
+                                           sync_bucket_mb=config.rollout.sync_bucket_mb),
                controller=controller, logger=logger,
                reward=RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s,
                                    workers=config.reward.workers),
@@ -221,6 +227,8 @@ def supervised_warmup(run: Run) -> None:
             m, tokens, micro, loss_mask=mask, vocab_size=run.vocab))
         scheduler.step(1)
         run.logger.warmup(step, warmup.iters, loss, grad_norm)
+    if warmup.iters:
+        run.engine.sync_weights(run.ddp)  # an engine with its own weights samples the warmed-up policy
 
 
 def rl_scheduler(run: Run):
@@ -261,16 +269,21 @@ def rl_step(run: Run, step: int) -> dict:
     micro = min(config.run.micro_batch_size, batch.num_sequences)
     temperature = config.sampling.temperature
     old_logprobs, _ = sequence_logprobs(ddp, batch, micro, temperature, run.vocab)
+    # The engine's own log-probs of the sampled tokens (engines that return them), laid out like
+    # old_logprobs (position t scores token t + 1): --tis-cap's weights and the mismatch metrics.
+    engine_logprobs = None if batch.logprobs is None else batch.logprobs[:, 1:]
     ref_logprobs = None
     if run.reference is not None:
         ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab)
     steps = []
     for _epoch in range(config.loss.ppo_epochs):
         for part in split_minibatches(torch.arange(batch.num_sequences), config.loss.num_minibatches):
-            steps.append(optimizer_step(run, *select_rows(batch, part, batch_advantages, old_logprobs, ref_logprobs)))
+            steps.append(optimizer_step(run, *select_rows(batch, part, batch_advantages, old_logprobs, ref_logprobs,
+                                                          engine_logprobs)))
     control = combine_steps(steps)
+    sync = {"sync_bytes": 0.0, "sync_time_s": 0.0}
     if control["success"]:
-        run.engine.sync_weights(ddp)
+        sync = run.engine.sync_weights(ddp)
 
     elapsed = time.perf_counter() - step_start
     agree = parallel.agree_on_scalar
@@ -285,19 +298,23 @@ def rl_step(run: Run, step: int) -> dict:
         "skipped": 0.0 if control["success"] else 1.0, "skipped_steps": float(run.state.skipped_steps + (not control["success"])),
         "controller_time_s": control["controller_time_s"],
         "controller_extra_bytes": float(control["controller_extra_bytes"]),
+        **engine_mismatch(engine_logprobs, old_logprobs, batch.response_mask[:, 1:]),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
         "tied_group_share": agree(float(tied.float().mean())),
         "sequences_in_loss": agree(float(batch.num_sequences)) * parallel.dp_size(),
         "optimizer_steps": float(len(steps)),
         "lr": run.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+        # what the weight sync into the rollout engine moved and took (0 for the embedded engine)
+        "sync_bytes": float(sync["sync_bytes"]), "sync_time_s": float(sync["sync_time_s"]),
         # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
         "state_bytes": float(sum(run.optimizer.state_bytes().values())),
         **{k: v for k, v in control.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction",
-                                                       "dual_clip_fraction", "ratio_mean", "ratio_max", "kl")},
+                                                       "dual_clip_fraction", "ratio_mean", "ratio_max", "kl",
+                                                       "tis_weight_mean")},
     }
 
 
-def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs) -> dict:
+def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, engine_logprobs=None) -> dict:
     """One KL-controlled optimizer step on a minibatch: the policy loss's backward, then the
     controller's propose -> forecast -> scale -> commit (nothing committed when the loss is not
     finite). Returns the loss's metrics and the controller's."""
@@ -307,7 +324,7 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs) -
     run.optimizer.zero_grad()
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=config.sampling.temperature,
-                                        vocab_size=run.vocab)
+                                        vocab_size=run.vocab, engine_logprobs=engine_logprobs)
     loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
     if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
         # The KL probe: completions spread over the minibatch's prompts, and rows it does not
@@ -320,6 +337,20 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs) -
     # the sketch, what clipping used) replaces the controller's when the step ran.
     diagnostics = run.optimizer.diagnostics() if control["grad_norm"] is not None else {}
     return {**loss_metrics, **control, **diagnostics}
+
+
+def engine_mismatch(engine_logprobs, trainer_logprobs, mask) -> dict:
+    """``logp_mismatch_mean`` / ``logp_mismatch_max``: mean and max of |engine - trainer| log-prob
+    over the batch's response tokens (agreed over replicas: the mean of means, the max); nothing
+    for an engine that returns no log-probs."""
+    if engine_logprobs is None:
+        return {}
+    mask = mask.bool()
+    gap = (engine_logprobs - trainer_logprobs).abs()[mask]
+    mean = float(gap.mean()) if gap.numel() else 0.0
+    largest = float(gap.max()) if gap.numel() else 0.0
+    return {"logp_mismatch_mean": parallel.agree_on_scalar(mean),
+            "logp_mismatch_max": parallel.agree_on_scalar(largest, op="max")}
 
 
 def count_skips(run: Run, skipped: bool) -> None:
@@ -375,6 +406,9 @@ def write_summary(run: Run, finished: bool) -> dict:
     })
     summary["reward_failures"] = dict(run.reward.failures)
     run.reward.close()
+    close_engine = getattr(run.engine, "close", None)
+    if close_engine is not None:  # an engine with resources of its own (vllm), before the groups go
+        close_engine()
     path = run.logger.finish(summary)
     return summary if path is None else dict(summary, summary_path=path)
 

@@ -10,7 +10,9 @@ replica's tensor- and pipeline-parallel groups); data-parallel replicas call the
 """
 
 import importlib
-from typing import Dict, Protocol, Sequence, runtime_checkable
+import importlib.util
+import inspect
+from typing import Dict, Protocol, Sequence, Tuple, runtime_checkable
 
 from logra_megatron.errors import UserError
 from logra_megatron.rollout.types import Rollouts, SamplingConfig
@@ -36,15 +38,44 @@ class RolloutEngine(Protocol):
 
 ROLLOUT_ENGINES: Dict[str, str] = {
     "megatron": "logra_megatron.rollout.megatron_engine:MegatronEngine",
+    "vllm": "logra_megatron.rollout.vllm_engine:VLLMEngine",
 }
-"""``--rollout-engine`` name -> ``"module:Class"``; ``Class(model)`` is an engine that samples
-from ``model``. Named by path, not imported here: the config schema reads the names, and only
-the chosen engine's module (and its dependencies, vLLM for instance) is ever imported."""
+"""``--rollout-engine`` name -> ``"module:Class"``; ``Class(model, **options)`` is an engine that
+samples from ``model``. Named by path, not imported here: the config schema reads the names, and
+only the chosen engine's module (and its dependencies, vLLM for instance) is ever imported."""
+
+ENGINE_REQUIREMENTS: Dict[str, Tuple[str, str]] = {
+    "vllm": ("vllm", "pip install -e .[rollout]"),
+}
+"""``--rollout-engine`` name -> (Python package it needs, how to install it)."""
 
 
-def build_rollout_engine(name: str, model) -> RolloutEngine:
-    """The engine ``name`` names, sampling from ``model`` (this rank's stage of the policy)."""
+def check_engine_available(name: str) -> None:
+    """A one-line :class:`UserError` saying how to install what engine ``name`` needs when that
+    package is missing. Looks the package up without importing it (importing vLLM takes seconds)."""
+    if name not in ENGINE_REQUIREMENTS:
+        return
+    package, install = ENGINE_REQUIREMENTS[name]
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"--rollout-engine {name} needs the {package!r} package, which is not installed; "
+                        f"install it with: {install}")
+
+
+def build_rollout_engine(name: str, model, **options) -> RolloutEngine:
+    """The engine ``name`` names, sampling from ``model`` (this rank's stage of the policy).
+
+    ``options`` are engine settings (``model_config``, ``vocab_size``, ``sync_bucket_mb``, ...);
+    each engine receives the ones its constructor names and ignores the rest, so the caller
+    passes the same options whichever engine is chosen. Building imports nothing the engine
+    needs beyond this package (vLLM is imported when the engine first runs);
+    :func:`check_engine_available` is the early check."""
     if name not in ROLLOUT_ENGINES:
         raise UserError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ROLLOUT_ENGINES)}")
     module, cls = ROLLOUT_ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(model)
+    engine_class = getattr(importlib.import_module(module), cls)
+    accepted = inspect.signature(engine_class).parameters
+    return engine_class(model, **{key: value for key, value in options.items() if key in accepted})

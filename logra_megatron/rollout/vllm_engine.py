@@ -1,0 +1,414 @@
+"""Rollouts sampled by vLLM (``--rollout-engine vllm``), with the trainer's weights pushed in.
+
+:class:`VLLMEngine` keeps its own copy of the policy in an in-process vLLM engine and is sent the
+trainer's weights after every optimizer step (:meth:`VLLMEngine.sync_weights`). The choices:
+
+**Where it runs.** One engine per model replica, in the process of the replica's first rank
+(tensor rank 0 of the first pipeline stage), with vLLM's own tensor parallelism at 1. In-process
+mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) builds in 2-3 s instead of the
+15-20 s a separate engine process takes, and lets the weights be handed over as tensors. The
+sampled rows are broadcast over the replica's model-parallel group, so every rank of the replica
+holds the same :class:`Rollouts`, laid out exactly as the Megatron engine lays them out (left
+padding, prompt-major rows, ``pad_id`` after EOS). vLLM is imported only here, and only when
+the engine first runs. The module sits above the conversion library it uses (a layer of its own
+in docs/ARCHITECTURE.md); the trainer reaches it only through the registry's dynamic import.
+
+**What the engine is built from.** A ``config.json`` written from our :class:`ModelConfig` by the
+converter's :func:`hf_config_from_model_config` in a temporary folder; the engine starts with
+dummy weights and is sent the real ones right away. Our tokenizers stay ours: prompts go in as
+token ids and the engine has no tokenizer (``skip_tokenizer_init``).
+
+**Vocabulary.** Megatron pads the embedding and the output layer; the engine is built with the
+real vocabulary (``SamplingConfig.vocab_size``, the tokenizer's) and the sync slices both to it,
+so the engine's softmax runs over the same logits the trainer's log-probs use.
+
+**Weight sync.** Every rank gathers its shards into full tensors
+(:func:`logra_megatron.models.weights.full_state`, collective over TP and PP); the engine's rank
+maps them to Hugging Face names and layouts with the converter's :func:`megatron_to_hf` and
+streams them in buckets of ``sync_bucket_mb`` (each bucket cast to the engine's dtype only when
+the previous one has been consumed) through one call of the worker's ``reload_weights``, which
+loads each layer and re-runs the CPU backend's weight repacking as soon as the layer is
+complete (a reload per bucket would process a layer split between two buckets half-loaded: vLLM
+fuses q/k/v and gate/up). The prefix cache is reset afterwards, or prompts sharing a prefix
+would reuse keys and values computed with the old weights. ``sync_bytes`` is the sum of the bytes of the tensors
+actually handed over; ``sync_time_s`` covers gather, conversion and reload.
+
+**Sampling.** :class:`SamplingConfig` maps onto vLLM's ``SamplingParams`` with the same meaning:
+temperature 0 is greedy, top-k 0 keeps all, ``n`` = samples per prompt (greedy: the prompt repeated,
+vLLM allows no n > 1 there), and a row stops after
+``eos_id`` (the model's own EOS is ignored: only ``eos_id`` stops). Seeds: a per-request seed
+crashes vLLM's CPU sampler when a batch needs chunked prefill, so requests carry none; instead
+the engine draws from torch's global generator, which is re-seeded with ``SamplingConfig.seed``
+for the call (inside ``torch.random.fork_rng``, so the trainer's own stream is untouched). The
+same seed, prompts and weights give the same tokens; the stream differs from the Megatron
+engine's. The engine returns the log-prob of each sampled token under the distribution it
+sampled from after temperature (``logprobs_mode="processed_logprobs"``), as ``Rollouts.logprobs``;
+with top-k or top-p on, that distribution is the filtered one (renormalized), which the trainer's
+log-probs (temperature only) are not.
+
+**Limits.** vLLM's CPU attention has kernels for head dims 32, 64, 80, ... only (not the tiny
+preset's 16); the engine says so when it is built. The engine runs in a world of one process:
+vLLM forms its own torch.distributed groups from the existing world, which would need every rank
+of a multi-rank job to take part. :meth:`VLLMEngine.close` must run before the trainer destroys
+its process groups (vLLM's own teardown would destroy the trainer's default group).
+"""
+
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from logra_megatron.convert.hf import hf_config_from_model_config, megatron_to_hf
+from logra_megatron.errors import UserError
+from logra_megatron.models.build import unwrap_model
+from logra_megatron.models.config import ModelConfig
+from logra_megatron.models.weights import full_state
+from logra_megatron.rollout.megatron_engine import _check_prompts
+from logra_megatron.rollout.types import Rollouts, SamplingConfig
+
+INSTALL = "pip install -e .[rollout]"
+MIB = 2**20
+
+
+def import_vllm():
+    """The ``vllm`` module, imported for in-process use; a one-line :class:`UserError` saying how
+    to install it when it is missing or does not load."""
+    # Read by vLLM when it builds an engine: keep the engine core and its worker in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Errors only (set VLLM_LOGGING_LEVEL to see more): every reload logs a warning for the
+    # rotary embedding (a buffer, nothing to send) and the engine's start a chat-template one
+    # (there is no tokenizer), neither of which concerns this engine.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm
+    except ImportError as error:
+        raise UserError(f"--rollout-engine vllm needs vLLM, which is not installed or does not load "
+                        f"({error}); install it with: {INSTALL}") from None
+    return vllm
+
+
+def _replica_group():
+    """The replica's model-parallel (TP x PP) group, or None in a one-rank replica."""
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _is_engine_rank() -> bool:
+    """The replica's first rank (its lowest global rank: tensor rank 0 of the first stage)."""
+    group = _replica_group()
+    return group is None or dist.get_rank(group) == 0
+
+
+def _from_engine_rank(value):
+    """``value`` as the engine's rank holds it, on every rank of the replica."""
+    group = _replica_group()
+    if group is None:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
+
+
+def check_head_dim(head_dim: int) -> None:
+    """A :class:`UserError` when vLLM's CPU attention has no kernel for ``head_dim`` (it has
+    none below 32, e.g. for the tiny preset's 16); on CUDA every usual size is served."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise UserError(f"vLLM's CPU attention has no kernel for head dim {head_dim} (it supports "
+                        f"{', '.join(map(str, sizes))}); use a model with one of those head dims, or "
+                        f"--rollout-engine megatron")
+
+
+def sampling_params(vllm, sampling: SamplingConfig):
+    """vLLM's ``SamplingParams`` with the meaning ``sampling`` has for the Megatron engine."""
+    return vllm.SamplingParams(
+        # vLLM refuses n > 1 with greedy sampling: the engine then repeats the prompt instead.
+        n=1 if sampling.greedy else sampling.samples_per_prompt,
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0: every token (vLLM's "disabled")
+        max_tokens=sampling.max_new_tokens,
+        min_tokens=0,
+        # Only our EOS stops a row; the id vLLM would read from the model's config must not.
+        ignore_eos=True,
+        stop_token_ids=[sampling.eos_id] if sampling.eos_id is not None else None,
+        logprobs=0,  # the sampled token's own log-prob only
+        detokenize=False,
+    )
+
+
+def rollouts_from_completions(prompts: Sequence[Sequence[int]], completions: List[List[int]],
+                              logprobs: List[List[float]], sampling: SamplingConfig,
+                              device=None) -> Rollouts:
+    """The :class:`Rollouts` batch of ``completions`` (row ``b`` is sample ``b % G`` of prompt
+    ``b // G``), with the Megatron engine's layout: left-padded prompts in the first ``P``
+    columns, completions from column ``P`` right-padded with ``pad_id``, width
+    ``P + max_new_tokens``."""
+    group = sampling.samples_per_prompt
+    rows = [list(prompt) for prompt in prompts for _ in range(group)]
+    batch, new = len(rows), sampling.max_new_tokens
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64, device=device)
+    width = int(lengths.max())
+    total = width + new
+    tokens = torch.full((batch, total), sampling.pad_id, dtype=torch.int64, device=device)
+    sampled_logprobs = torch.zeros(batch, total, dtype=torch.float32, device=device)
+    response_lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    for b, (row, completion, row_logprobs) in enumerate(zip(rows, completions, logprobs)):
+        if len(completion) > new:
+            raise RuntimeError(f"the engine returned {len(completion)} tokens for a limit of {new}")
+        tokens[b, width - len(row):width] = torch.tensor(row, dtype=torch.int64)
+        tokens[b, width:width + len(completion)] = torch.tensor(completion, dtype=torch.int64)
+        sampled_logprobs[b, width:width + len(completion)] = torch.tensor(row_logprobs, dtype=torch.float32)
+        response_lengths[b] = len(completion)
+        finished[b] = sampling.eos_id is not None and len(completion) > 0 and completion[-1] == sampling.eos_id
+    columns = torch.arange(total, device=device)
+    start = (width - lengths)[:, None]
+    real = columns[None, :] >= start
+    response = (columns[None, :] >= width) & (columns[None, :] < width + response_lengths[:, None])
+    return Rollouts(
+        tokens=tokens,
+        attention_mask=(real & (columns[None, :] < width)) | response,
+        response_mask=response,
+        position_ids=(columns[None, :] - start).clamp(min=0),
+        prompt_lengths=lengths,
+        response_lengths=response_lengths,
+        finished=finished,
+        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(group),
+        prompt_width=width,
+        steps=int(response_lengths.max()),
+        logprobs=sampled_logprobs,
+    )
+
+
+def weight_buckets(tensors: Dict[str, torch.Tensor], bucket_bytes: int,
+                   dtype: torch.dtype) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """``tensors`` in order, cast to ``dtype`` and contiguous, grouped into lists of at most
+    ``bucket_bytes`` (a single larger tensor is a bucket of its own). Each bucket is made only
+    when the previous one has been consumed, so at most one bucket of copies exists at a time."""
+    bucket, size = [], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach().to(dtype).contiguous()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def shutdown_in_process(llm) -> None:
+    """Shut an in-process engine down while the trainer's torch.distributed lives on.
+
+    vLLM's own teardown ends with ``torch.distributed.destroy_process_group()``, which would
+    destroy the trainer's default group too; here its world group is destroyed and the default
+    group kept. Shutting down explicitly also detaches vLLM's finalizer, which would otherwise
+    run at interpreter exit, after the entry point destroyed the process groups, and fail."""
+    from vllm.distributed import parallel_state as engine_groups
+
+    def destroy_engine_world():
+        if engine_groups._WORLD:
+            engine_groups._WORLD.destroy()
+        engine_groups._WORLD = None
+        engine_groups._NODE_COUNT = None
+
+    original = engine_groups.destroy_distributed_environment
+    engine_groups.destroy_distributed_environment = destroy_engine_world
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        engine_groups.destroy_distributed_environment = original
+
+
+class VLLMEngine:
+    """``--rollout-engine vllm``: an in-process vLLM engine on the replica's first rank, sent the
+    trainer's weights by :meth:`sync_weights` (see the module docstring).
+
+    ``model_config`` is the policy's :class:`ModelConfig` (needed to build the engine);
+    ``vocab_size`` the real vocabulary (default: the first ``generate`` call's
+    ``SamplingConfig.vocab_size``, else the model's padded one). ``kv_cache_mb`` is the engine's
+    KV-cache memory (raised to what one longest sequence needs), ``max_num_seqs`` the most
+    sequences it decodes at once."""
+
+    name = "vllm"
+
+    def __init__(self, model, model_config: Optional[ModelConfig] = None, vocab_size: Optional[int] = None,
+                 sync_bucket_mb: int = 512, kv_cache_mb: int = 256, max_num_seqs: int = 256):
+        if sync_bucket_mb < 1:
+            raise UserError(f"--sync-bucket-mb must be >= 1, got {sync_bucket_mb}")
+        self.model = model
+        self.model_config = model_config
+        self.vocab_size = vocab_size
+        self.sync_bucket_mb = sync_bucket_mb
+        self.kv_cache_mb = kv_cache_mb
+        self.max_num_seqs = max_num_seqs
+        self.llm = None
+        self.engine_vocab: Optional[int] = None
+        """The vocabulary the engine holds weights for (the same on every rank of the replica:
+        every decision to build or rebuild is taken from values all ranks share)."""
+        self.last_sync: Dict[str, float] = {}
+        self._folder: Optional[str] = None
+        if model is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise UserError("--rollout-engine vllm runs in a one-process job for now (the in-process "
+                            "engine forms torch.distributed groups of its own); use the megatron engine "
+                            "for multi-rank runs")
+
+    # --- the interface ---------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollouts:
+        gpt = unwrap_model(self.model)
+        device = next(gpt.parameters()).device
+        _check_prompts(prompts, sampling, gpt.vocab_size, gpt.max_sequence_length)
+        vocab = sampling.vocab_size or self.vocab_size or gpt.vocab_size
+        if self.engine_vocab != vocab:
+            self._full_sync(vocab)  # builds (or rebuilds) the engine first
+        result = None
+        if _is_engine_rank():
+            result = self._sample(prompts, sampling)
+        completions, logprobs = _from_engine_rank(result)
+        return rollouts_from_completions(prompts, completions, logprobs, sampling, device)
+
+    def sync_weights(self, model) -> Dict[str, float]:
+        self.model = model
+        vocab = self.engine_vocab or self.vocab_size or unwrap_model(model).vocab_size
+        return self._full_sync(vocab)
+
+    def close(self) -> None:
+        """Shut the engine down and remove its config folder; call it before the process groups
+        are destroyed (the trainer does, at the end of the run)."""
+        self._drop_engine()
+
+    # --- engine ----------------------------------------------------------------------------
+
+    def _hf_config(self, vocab: int) -> ModelConfig:
+        if self.model_config is None:
+            raise UserError("the vllm rollout engine needs the model's config (model_config=...)")
+        return self.model_config.with_changes(vocab=vocab)
+
+    def _engine_config(self, vocab: int) -> ModelConfig:
+        """The model as the engine holds it: on CPU with an output layer of its own even when the
+        policy ties it to the embedding. vLLM 0.32's CPU backend repacks the output layer's weight
+        for its kernel, and ``reload_weights`` re-packs only layers that received tensors: a tied
+        output layer receives none (it shares the embedding's parameter) and kept computing with
+        the weights of the engine's start (measured: log-probs off by up to 5.8 tied, 5e-6
+        untied). The sync then sends the embedding a second time, as ``lm_head.weight``."""
+        from vllm.platforms import current_platform
+
+        model = self._hf_config(vocab)
+        return model.with_changes(tie_embeddings=False) if current_platform.is_cpu() else model
+
+    def _dtype(self) -> torch.dtype:
+        return unwrap_model(self.model).config.params_dtype
+
+    def _build(self, vocab: int) -> None:
+        """A fresh engine (dummy weights) for ``vocab`` tokens; engine rank only."""
+        vllm = import_vllm()
+        self._drop_engine()
+        model = self._engine_config(vocab)
+        check_head_dim(model.kv_channels)
+        dtype_name = str(self._dtype()).removeprefix("torch.")
+        self._folder = tempfile.mkdtemp(prefix="logra_vllm_")
+        config = hf_config_from_model_config(model, None, dtype_name)
+        config.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        with open(os.path.join(self._folder, "config.json"), "w") as handle:
+            json.dump(config, handle, indent=2, sort_keys=True)
+        max_len = unwrap_model(self.model).max_sequence_length
+        per_token = 2 * model.layers * model.kv_heads * model.kv_channels * self._dtype().itemsize
+        kv_bytes = max(self.kv_cache_mb * MIB, 2 * per_token * max_len)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        # (it guards its own thread binding); the trainer keeps the real one.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = self._new_llm(vllm, dtype_name, max_len, kv_bytes)
+        finally:
+            torch.set_num_threads = set_num_threads
+
+    def _new_llm(self, vllm, dtype_name: str, max_len: int, kv_bytes: int):
+        return vllm.LLM(
+            model=self._folder, skip_tokenizer_init=True, load_format="dummy", dtype=dtype_name,
+            enforce_eager=True, max_model_len=max_len, max_num_seqs=self.max_num_seqs,
+            # A whole batch prefills in one pass: no chunked prefill.
+            max_num_batched_tokens=max(32768, max_len), kv_cache_memory_bytes=kv_bytes,
+            distributed_executor_backend="uni", tensor_parallel_size=1, seed=0,
+            logprobs_mode="processed_logprobs", generation_config="vllm",
+        )
+
+    def _drop_engine(self) -> None:
+        if self.llm is not None:
+            shutdown_in_process(self.llm)
+            self.llm = None
+            gc.collect()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        self.engine_vocab = None
+
+    def _full_sync(self, vocab: int) -> Dict[str, float]:
+        """Every parameter, gathered and converted, into the engine (built first if it holds
+        another vocabulary or none). Collective over the replica."""
+        start = time.perf_counter()
+        state = full_state(unwrap_model(self.model))
+        sent = 0
+        if _is_engine_rank():
+            if self.llm is None or self.engine_vocab != vocab:
+                self._build(vocab)
+            tensors = megatron_to_hf(state, self._hf_config(vocab))
+            del state
+            if "lm_head.weight" not in tensors and not self._engine_config(vocab).tie_embeddings:
+                tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+            handed = [0]
+
+            def stream():
+                for bucket in weight_buckets(tensors, self.sync_bucket_mb * MIB, self._dtype()):
+                    for name, tensor in bucket:
+                        handed[0] += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+
+            # One reload over the whole stream: vLLM processes (repacks) a layer once all of its
+            # tensors arrived, which a reload per bucket would break for a layer split between
+            # two buckets (q/k/v and gate/up are fused in the engine).
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+            self.llm.reset_prefix_cache()
+            sent = handed[0]
+        self.engine_vocab = vocab
+        measured = {"sync_bytes": float(sent), "sync_time_s": time.perf_counter() - start}
+        self.last_sync = _from_engine_rank(measured)
+        return self.last_sync
+
+    def _sample(self, prompts, sampling: SamplingConfig):
+        """(completions, their log-probs), rows prompt-major; engine rank only."""
+        vllm = import_vllm()
+        params = sampling_params(vllm, sampling)
+        copies = sampling.samples_per_prompt // params.n  # requests per prompt, adjacent
+        requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts for _ in range(copies)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sampling.seed)
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions, logprobs = [], []
+        for output in outputs:
+            samples = sorted(output.outputs, key=lambda sample: sample.index)
+            if len(samples) != params.n:
+                raise RuntimeError(f"the engine returned {len(samples)} samples of a request, expected {params.n}")
+            for sample in samples:
+                tokens = list(sample.token_ids)
+                completions.append(tokens)
+                logprobs.append([float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)])
+        return completions, logprobs
+
