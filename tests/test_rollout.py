@@ -229,3 +229,22 @@ def test_engine_registry_builds_engines_that_satisfy_the_interface():
         assert isinstance(engine, RolloutEngine) and engine.name == name
     with pytest.raises(UserError, match="unknown rollout engine 'nope'"):
         build_rollout_engine("nope", model=None)
+
+
+def test_prompt_layout_masks_padding_on_both_sides():
+    """The shared left-padded layout (both engines build their Rollouts with it): left padding and
+    the right padding after a short completion are neither attended nor scored."""
+    from logra_megatron.rollout.types import PromptLayout
+
+    layout = PromptLayout.of([[5, 6, 7], [8]], samples_per_prompt=2, max_new_tokens=3, pad_id=0)
+    assert layout.width == 3 and layout.tokens.shape == (4, 6)
+    assert layout.tokens[2].tolist() == [0, 0, 8, 0, 0, 0] and layout.prompt_index.tolist() == [0, 0, 1, 1]
+    layout.tokens[:, 3] = 9  # every row generated one token; row 0 two
+    layout.tokens[0, 4] = 9
+    batch = layout.rollouts(torch.tensor([2, 1, 1, 1]), torch.tensor([False, True, True, True]), steps=2)
+    assert batch.attention_mask.int().tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0],
+                                                   [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]]
+    assert batch.response_mask.int().tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 0, 0],
+                                                  [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 0, 0]]
+    assert batch.position_ids[2].tolist() == [0, 0, 0, 1, 2, 3]
+    assert batch.completions() == [[9, 9], [9], [9], [9]] and batch.prompt(2) == [8]

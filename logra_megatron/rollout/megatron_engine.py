@@ -68,7 +68,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.positions import padded_causal_mask, rope_positions
 from logra_megatron.rollout.sampling import sample_next
-from logra_megatron.rollout.types import Rollouts, SamplingConfig
+from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
 
 
 def _honors_padding_mask(model) -> bool:
@@ -146,28 +146,19 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     gpt = unwrap_model(model)
     device = next(gpt.parameters()).device
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
-    group = config.samples_per_prompt
-    rows = [list(prompt) for prompt in prompts for _ in range(group)]
-    batch, new = len(rows), config.max_new_tokens
-    lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64, device=device)
-    width = int(lengths.max())
-    total = width + new
-    padded = bool((lengths != width).any())
+    layout = PromptLayout.of(prompts, config.samples_per_prompt, config.max_new_tokens, config.pad_id, device)
+    tokens, width = layout.tokens, layout.width
+    batch, total = tokens.shape
+    padded = bool((layout.lengths != width).any())
     if padded and not _honors_padding_mask(model):
         raise UserError(
             "prompts of different lengths need Megatron's local attention (it applies the padding "
             "mask); this model uses another attention implementation. Build it with "
             "gpt_layer_spec(use_transformer_engine=False), or pass prompts of equal length"
         )
-
     # Left padding: row b's prompt ends at column `width`; its completion follows.
-    tokens = torch.full((batch, total), config.pad_id, dtype=torch.int64, device=device)
-    for b, row in enumerate(rows):
-        tokens[b, width - len(row):width] = torch.tensor(row, dtype=torch.int64, device=device)
-    columns = torch.arange(total, device=device)
-    start = (width - lengths)[:, None]  # first real column of each row
-    real = columns[None, :] >= start  # [B, total]; completion columns count as real
-    positions = (columns[None, :] - start).clamp(min=0)
+    real = layout.real  # [B, total]; completion columns count as real
+    positions = layout.positions
 
     sampler = parallel.is_last_stage() and parallel.tp_rank() == 0
     generator = None
@@ -188,7 +179,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
             prefill_mask = padded_causal_mask(real[:, :width])
             logits = _stage_forward(model, tokens[:, :width], positions[:, :width], prefill_mask, context)
             context.enable_decode_mode()
-            for step in range(new):
+            for step in range(config.max_new_tokens):
                 column = width + step
                 sampled = None
                 if sampler:
@@ -201,7 +192,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
                 if config.eos_id is not None:
                     done |= sampled == config.eos_id
                 steps = step + 1
-                if step == new - 1 or bool(done.all()):
+                if step == config.max_new_tokens - 1 or bool(done.all()):
                     break
                 decode_mask = ~real[:, None, None, :column + 1]
                 logits = _stage_forward(model, tokens[:, column:column + 1],
@@ -211,19 +202,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
         if not parallel.is_first_stage():
             get_attr_wrapped_model(model, "set_input_tensor")(None)
 
-    response = (columns[None, :] >= width) & (columns[None, :] < width + response_lengths[:, None])
-    return Rollouts(
-        tokens=tokens,
-        attention_mask=(real & (columns[None, :] < width)) | response,
-        response_mask=response,
-        position_ids=positions,
-        prompt_lengths=lengths,
-        response_lengths=response_lengths,
-        finished=done,
-        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(group),
-        prompt_width=width,
-        steps=steps,
-    )
+    return layout.rollouts(response_lengths, done, steps)
 
 
 class MegatronEngine:

@@ -3,7 +3,7 @@ comes back (:class:`Rollouts`). No process groups, no model."""
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -139,3 +139,66 @@ class Rollouts:
             "response_lengths", "finished", "prompt_index")}
         logprobs = None if self.logprobs is None else self.logprobs[rows]
         return Rollouts(**per_row, prompt_width=self.prompt_width, steps=self.steps, logprobs=logprobs)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """The left-padded layout every engine fills: ``G`` rows per prompt (row ``b`` samples prompt
+    ``b // G``), each prompt ending at column ``width`` (the longest prompt), completions from
+    there up to ``width + max_new_tokens``. Built by :meth:`of`; :meth:`rollouts` turns the
+    filled ``tokens`` into the :class:`Rollouts` batch."""
+
+    tokens: torch.Tensor
+    """[B, width + max_new_tokens] int64: prompts placed, ``pad_id`` elsewhere (engines write
+    the completions into it)."""
+    lengths: torch.Tensor
+    """[B] int64: real prompt tokens per row."""
+    width: int
+    prompt_index: torch.Tensor
+    """[B] int64: which prompt each row samples."""
+
+    @staticmethod
+    def of(prompts: Sequence[Sequence[int]], samples_per_prompt: int, max_new_tokens: int, pad_id: int,
+           device=None) -> "PromptLayout":
+        rows = [list(prompt) for prompt in prompts for _ in range(samples_per_prompt)]
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64, device=device)
+        width = int(lengths.max())
+        tokens = torch.full((len(rows), width + max_new_tokens), pad_id, dtype=torch.int64, device=device)
+        for b, row in enumerate(rows):
+            tokens[b, width - len(row):width] = torch.tensor(row, dtype=torch.int64, device=device)
+        prompt_index = torch.arange(len(prompts), device=device).repeat_interleave(samples_per_prompt)
+        return PromptLayout(tokens=tokens, lengths=lengths, width=width, prompt_index=prompt_index)
+
+    @property
+    def columns(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device)
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[B, total] bool: columns from each row's first prompt token on (completion columns
+        count as real)."""
+        return self.columns[None, :] >= (self.width - self.lengths)[:, None]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, total] int64: each column's position within its row's sequence (0 at padding)."""
+        return (self.columns[None, :] - (self.width - self.lengths)[:, None]).clamp(min=0)
+
+    def rollouts(self, response_lengths: torch.Tensor, finished: torch.Tensor, steps: int,
+                 logprobs: Optional[torch.Tensor] = None) -> Rollouts:
+        """The batch once ``tokens`` holds the completions of ``response_lengths`` tokens."""
+        columns = self.columns[None, :]
+        response = (columns >= self.width) & (columns < self.width + response_lengths[:, None])
+        return Rollouts(
+            tokens=self.tokens,
+            attention_mask=(self.real & (columns < self.width)) | response,
+            response_mask=response,
+            position_ids=self.positions,
+            prompt_lengths=self.lengths,
+            response_lengths=response_lengths,
+            finished=finished,
+            prompt_index=self.prompt_index,
+            prompt_width=self.width,
+            steps=steps,
+            logprobs=logprobs,
+        )

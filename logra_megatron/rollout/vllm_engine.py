@@ -71,7 +71,7 @@ from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
 from logra_megatron.models.weights import full_state
 from logra_megatron.rollout.megatron_engine import _check_prompts
-from logra_megatron.rollout.types import Rollouts, SamplingConfig
+from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
 
 INSTALL = "pip install -e .[rollout]"
 MIB = 2**20
@@ -160,41 +160,20 @@ def rollouts_from_completions(prompts: Sequence[Sequence[int]], completions: Lis
     ``b // G``), with the Megatron engine's layout: left-padded prompts in the first ``P``
     columns, completions from column ``P`` right-padded with ``pad_id``, width
     ``P + max_new_tokens``."""
-    group = sampling.samples_per_prompt
-    rows = [list(prompt) for prompt in prompts for _ in range(group)]
-    batch, new = len(rows), sampling.max_new_tokens
-    lengths = torch.tensor([len(row) for row in rows], dtype=torch.int64, device=device)
-    width = int(lengths.max())
-    total = width + new
-    tokens = torch.full((batch, total), sampling.pad_id, dtype=torch.int64, device=device)
-    sampled_logprobs = torch.zeros(batch, total, dtype=torch.float32, device=device)
+    layout = PromptLayout.of(prompts, sampling.samples_per_prompt, sampling.max_new_tokens, sampling.pad_id, device)
+    tokens, width, new = layout.tokens, layout.width, sampling.max_new_tokens
+    batch = tokens.shape[0]
+    sampled_logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
     response_lengths = torch.zeros(batch, dtype=torch.int64, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    for b, (row, completion, row_logprobs) in enumerate(zip(rows, completions, logprobs)):
+    for b, (completion, row_logprobs) in enumerate(zip(completions, logprobs)):
         if len(completion) > new:
             raise RuntimeError(f"the engine returned {len(completion)} tokens for a limit of {new}")
-        tokens[b, width - len(row):width] = torch.tensor(row, dtype=torch.int64)
         tokens[b, width:width + len(completion)] = torch.tensor(completion, dtype=torch.int64)
         sampled_logprobs[b, width:width + len(completion)] = torch.tensor(row_logprobs, dtype=torch.float32)
         response_lengths[b] = len(completion)
         finished[b] = sampling.eos_id is not None and len(completion) > 0 and completion[-1] == sampling.eos_id
-    columns = torch.arange(total, device=device)
-    start = (width - lengths)[:, None]
-    real = columns[None, :] >= start
-    response = (columns[None, :] >= width) & (columns[None, :] < width + response_lengths[:, None])
-    return Rollouts(
-        tokens=tokens,
-        attention_mask=(real & (columns[None, :] < width)) | response,
-        response_mask=response,
-        position_ids=(columns[None, :] - start).clamp(min=0),
-        prompt_lengths=lengths,
-        response_lengths=response_lengths,
-        finished=finished,
-        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(group),
-        prompt_width=width,
-        steps=int(response_lengths.max()),
-        logprobs=sampled_logprobs,
-    )
+    return layout.rollouts(response_lengths, finished, int(response_lengths.max()), logprobs=sampled_logprobs)
 
 
 def weight_buckets(tensors: Dict[str, torch.Tensor], bucket_bytes: int,
