@@ -392,21 +392,39 @@ def megatron_to_hf(state: Mapping, model: ModelConfig) -> dict:
     accepted as well as the local spec's.
     """
     state = {canonical_name(name): tensor for name, tensor in state.items()}
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: model.vocab]}
-    for i in range(model.layers):
-        src, dst = _mc_layer(i), _hf_layer(i)
-        for suffix, hf_suffix in _DIRECT.items():
-            out[dst + hf_suffix] = state[src + suffix]
-        kinds = ("weight", "bias") if model.qkv_bias else ("weight",)
-        for kind in kinds:
-            q, k, v = split_qkv(state[src + f"self_attention.linear_qkv.{kind}"], model)
-            out[dst + f"self_attn.q_proj.{kind}"] = q
-            out[dst + f"self_attn.k_proj.{kind}"] = k
-            out[dst + f"self_attn.v_proj.{kind}"] = v
-        gate, up = torch.chunk(state[src + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[dst + "mlp.up_proj.weight"] = up.contiguous()
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = state["output_layer.weight"][: model.vocab]
-    return {name: tensor.contiguous() for name, tensor in out.items()}
+    out = {}
+    for name in megatron_names(model):
+        out.update(hf_tensors(name, state[name], model))
+    return out
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, model: ModelConfig) -> dict:
+    """The HF tensors one full Megatron tensor becomes: ``linear_qkv`` splits into q/k/v and
+    ``linear_fc1`` into gate/up, the embedding and output layer lose their vocabulary padding
+    rows, every other tensor is renamed.
+
+    Only the rows are rearranged, so ``tensor`` may have any number of columns: a low-rank
+    factor laid out like the weight's rows (``U`` of ``W = U Q^T``) maps the same way
+    (logra_megatron/rollout/policy_update.py)."""
+    name = canonical_name(name)
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": tensor[: model.vocab].contiguous()}
+    if name == "output_layer.weight":
+        return {"lm_head.weight": tensor[: model.vocab].contiguous()}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": tensor.contiguous()}
+    match = _LAYER_NAME.match(name)
+    if match is None:
+        raise KeyError(f"no HF name for Megatron tensor {name}")
+    layer, suffix = _hf_layer(int(match.group(1))), match.group(2)
+    if suffix in _DIRECT:
+        return {layer + _DIRECT[suffix]: tensor.contiguous()}
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = split_qkv(tensor, model)
+        return {layer + f"self_attn.q_proj.{kind}": q, layer + f"self_attn.k_proj.{kind}": k,
+                layer + f"self_attn.v_proj.{kind}": v}
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return {layer + "mlp.gate_proj.weight": gate.contiguous(), layer + "mlp.up_proj.weight": up.contiguous()}
+    raise KeyError(f"no HF name for Megatron tensor {name}")

@@ -45,6 +45,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from logra_megatron import parallel
+from logra_megatron.logra.commit_log import Commit, CommitLog
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.grad_norm import GradNormEstimator
 from logra_megatron.logra.masters import MasterWeights
@@ -75,6 +76,17 @@ class DenseRemainder(Protocol):
 
     def clip_grads(self, max_norm: float, total_norm: float) -> None:
         """Scale the dense gradients by ``max_norm / total_norm`` when that is below 1."""
+
+    def log_commits(self, limit: int) -> None:
+        """Keep every committed step from now on (at most ``limit`` between two takes) for a
+        rollout engine that replays them (:mod:`~logra_megatron.logra.commit_log`)."""
+        self.commit_log = CommitLog(limit)
+
+    @property
+    def redraws_projections(self) -> bool:
+        """The projections change before every backward (``rowadam``): no committed step can be
+        replayed under the projections of the last sync."""
+        return isinstance(self.refresh, RademacherRedraw)
 
     def discard(self) -> None: ...
 
@@ -147,6 +159,8 @@ class LogRAOptimizer:
             self.norm_estimator = GradNormEstimator(self.sketch_buffer, logra_config.norm_probes, logra_config.seed)
         self.step_count = 0
         self.proposal: Optional[Proposal] = None
+        self.commit_log: Optional[CommitLog] = None
+        """Committed steps kept for a low-rank policy sync (:meth:`log_commits`); None: none kept."""
         self.last_norms: Dict[str, float] = {}
         dense_group = self.dense.param_groups[0]
         self.sketch_group = {
@@ -172,6 +186,8 @@ class LogRAOptimizer:
         checkpoint that holds no optimizer state)."""
         self.dense.reload_model_params()
         self.masters.reload_from_weights()
+        if self.commit_log is not None:
+            self.commit_log.invalidate()
 
     def reset_state(self) -> None:
         """Forget the optimizer's history (the update rule's state, the dense moments and the
@@ -262,11 +278,24 @@ class LogRAOptimizer:
         for entry in self.sketch_buffer.weights:
             entry.sketch.preview = None
         self.masters.apply(proposal.update, scale * proposal.lr, proposal.weight_decay, self.step_count)
+        if self.commit_log is not None:
+            self.commit_log.record(Commit(proposal.update, scale * proposal.lr, proposal.weight_decay, proposal.refresh))
         self.dense.commit(scale)
         if proposal.refresh:
             self.refresh.refresh(self.update_rule)
         self.proposal = None
         self.step_count += 1
+
+    def log_commits(self, limit: int) -> None:
+        """Keep every committed step from now on (at most ``limit`` between two takes) for a
+        rollout engine that replays them (:mod:`~logra_megatron.logra.commit_log`)."""
+        self.commit_log = CommitLog(limit)
+
+    @property
+    def redraws_projections(self) -> bool:
+        """The projections change before every backward (``rowadam``): no committed step can be
+        replayed under the projections of the last sync."""
+        return isinstance(self.refresh, RademacherRedraw)
 
     def discard(self) -> None:
         """Drop the proposed step: no weight, master or counter changes (the moments advanced by
@@ -424,6 +453,8 @@ class LogRAOptimizer:
         self.update_rule.load_counters(counters)
         self.refresh.refreshes_done = int(counters["refreshes_done"])
         self.sketch_group.update(state.get("sketch_group", {}))
+        if self.commit_log is not None:  # new weights and projections: no step replays onto them
+            self.commit_log.invalidate()
 
     @staticmethod
     def _loaded(tensors: dict, entry, name: str) -> torch.Tensor:

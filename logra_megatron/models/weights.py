@@ -76,16 +76,19 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, name: str) -> torch.Te
     return torch.cat(pieces, dim=dim)
 
 
-def full_state(model, what: str = "param") -> dict:
+def full_state(model, what: str = "param", include=None) -> dict:
     """Every parameter (``what="param"``) or its gradient (``"grad"``, read from ``.grad`` or
     Megatron DDP's ``.main_grad``) as full tensors under global names, on every rank.
 
     Collective over TP and PP. With tied embeddings the last stage's copy of the embedding
-    (``output_layer.weight``) is left out, as in a TP=1, PP=1 model.
+    (``output_layer.weight``) is left out, as in a TP=1, PP=1 model. ``include(param)``, when
+    given, picks the parameters to gather (the same ones on every rank of a TP group).
     """
     offset = layer_offset(model)
     mine = {}
     for name, param in model.named_parameters():
+        if include is not None and not include(param):
+            continue
         name = name.removeprefix("module.")
         if what == "param":
             tensor = param

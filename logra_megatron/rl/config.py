@@ -83,8 +83,17 @@ class ModelSourceConfig:
     tokenizer_model: Optional[str] = option(None, help="a SentencePiece .model file or a tokenizer.json (or its folder)")
     bf16: bool = option(False, help="bf16 parameters (fp32 master weights for the dense optimizer; "
                                     "--logra-master decides those of sketched weights)")
+    num_attention_heads: Optional[int] = option(None, help="attention heads instead of the preset's (head dim = "
+                                                           "hidden / heads; vLLM's CPU attention needs >= 32, "
+                                                           "e.g. 2 on the tiny preset)")
+    num_query_groups: Optional[int] = option(None, help="key/value heads instead of the preset's (default with "
+                                                        "--num-attention-heads: as many as heads)")
 
     def __post_init__(self):
+        for name in ("num_attention_heads", "num_query_groups"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.preset not in PRESETS:
             raise UserError(f"unknown model preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         if (self.tokenizer_type is None) != (self.tokenizer_model is None):
@@ -145,12 +154,21 @@ class RolloutConfig:
                                             "--group-size sequences)")
     sync_bucket_mb: int = option(512, help="weight sync into a separate rollout engine (vllm): MiB of "
                                            "tensors converted and handed over at a time")
+    policy_sync: str = option("full", choices=("full", "lowrank"),
+                              help="weight sync into a separate rollout engine (vllm): full (every weight) or "
+                                   "lowrank (LoGRA's factors of the steps since the last sync, applied by the "
+                                   "engine; a full sync at each projection refresh)")
+    full_sync_interval: int = option(10, help="with --policy-sync lowrank: a full sync at least every this "
+                                              "many syncs, bounding the engine's drift")
 
     def __post_init__(self):
         if self.engine not in ROLLOUT_ENGINES:
             raise UserError(f"--rollout-engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}")
+        if self.policy_sync == "lowrank" and self.engine != "vllm":
+            raise UserError(f"--policy-sync lowrank updates a rollout engine's own weights: it needs "
+                            f"--rollout-engine vllm (the {self.engine} engine samples from the trainer's weights)")
         check_engine_available(self.engine)
-        _at_least(self, 1, "prompts_per_step", "sync_bucket_mb")
+        _at_least(self, 1, "prompts_per_step", "sync_bucket_mb", "full_sync_interval")
 
 
 @dataclass(frozen=True)
@@ -237,6 +255,9 @@ class TrainConfig:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, seed=seed))
         if self.task.seed != seed:
             object.__setattr__(self, "task", dataclasses.replace(self.task, seed=seed))
+        if self.rollout.policy_sync == "lowrank" and self.optimizer.kind != "logra":
+            raise UserError(f"--policy-sync lowrank sends LoGRA's low-rank steps: it needs --optimizer logra, "
+                            f"got {self.optimizer.kind}")
         if self.logra.master == "bf16-sr" and not self.model.bf16:
             raise UserError("--logra-master bf16-sr rounds into bf16 weights: it needs --bf16")
         if self.logra.zero1 != self.optimizer.distributed:
@@ -247,14 +268,33 @@ class TrainConfig:
         return "bf16" if self.model.bf16 else "fp32"
 
 
+def _preset_with_heads(source: ModelSourceConfig) -> ModelConfig:
+    """The preset, with ``--num-attention-heads`` / ``--num-query-groups`` when given."""
+    model = PRESETS[source.preset]
+    heads, groups = source.num_attention_heads, source.num_query_groups
+    if heads is None and groups is None:
+        return model
+    heads = heads or model.heads
+    groups = groups or (heads if source.num_attention_heads is not None else model.kv_heads)
+    if model.hidden % heads:
+        raise UserError(f"--num-attention-heads {heads} must divide the hidden size {model.hidden} of preset "
+                        f"{source.preset!r}")
+    if heads % groups:
+        raise UserError(f"--num-attention-heads {heads} must be a multiple of --num-query-groups {groups}")
+    return model.with_changes(heads=heads, kv_heads=groups)
+
+
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
     load_dir = _checkpoint_to_load(config.checkpoint)
     if load_dir is not None:
+        if config.model.num_attention_heads is not None or config.model.num_query_groups is not None:
+            raise UserError("--num-attention-heads/--num-query-groups change a preset; a checkpoint (--load) "
+                            "keeps its own architecture")
         model = _read_model_config(load_dir)  # a checkpoint decides its own architecture
     else:
-        model = PRESETS[config.model.preset]
+        model = _preset_with_heads(config.model)
     tokenizer = build_run_tokenizer(config.model, load_dir)
     if load_dir is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
         model = model.with_changes(vocab=tokenizer.vocab_size)  # the embedded default: no unused rows

@@ -179,7 +179,9 @@ def build(config: TrainConfig) -> Run:
     return Run(config=config, tokenizer=tokenizer, tasks=tasks, model=model, ddp=ddp, optimizer=optimizer,
                engine=build_rollout_engine(config.rollout.engine, ddp, model_config=config.model_config,
                                            vocab_size=tokenizer.vocab_size,
-                                           sync_bucket_mb=config.rollout.sync_bucket_mb),
+                                           sync_bucket_mb=config.rollout.sync_bucket_mb, optimizer=optimizer,
+                                           policy_sync=config.rollout.policy_sync,
+                                           full_sync_interval=config.rollout.full_sync_interval),
                controller=controller, logger=logger,
                reward=RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s,
                                    workers=config.reward.workers),
@@ -284,6 +286,7 @@ def rl_step(run: Run, step: int) -> dict:
     sync = {"sync_bytes": 0.0, "sync_time_s": 0.0}
     if control["success"]:
         sync = run.engine.sync_weights(ddp)
+        count_sync(run.state.summary, sync)
 
     elapsed = time.perf_counter() - step_start
     agree = parallel.agree_on_scalar
@@ -306,6 +309,7 @@ def rl_step(run: Run, step: int) -> dict:
         "lr": run.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
         # what the weight sync into the rollout engine moved and took (0 for the embedded engine)
         "sync_bytes": float(sync["sync_bytes"]), "sync_time_s": float(sync["sync_time_s"]),
+        "sync_low_rank": float(sync.get("sync_low_rank", 0.0)),
         # grads + optimizer states + projections this rank actually holds (TensorBoard: memory)
         "state_bytes": float(sum(run.optimizer.state_bytes().values())),
         **{k: v for k, v in control.items() if k in ("loss", "pg_loss", "entropy", "clip_fraction",
@@ -398,6 +402,8 @@ def write_summary(run: Run, finished: bool) -> dict:
     summary.update({
         "steps": run.state.step, "finished": finished, "optimizer": config.optimizer.kind,
         "preset": config.model.preset, "kl_control": config.kl.mode,
+        "num_attention_heads": config.model_config.heads, "num_query_groups": config.model_config.kv_heads,
+        "rollout_engine": config.rollout.engine, "policy_sync": config.rollout.policy_sync,
         "wall_time_s": time.perf_counter() - run.start_time,
         "state_bytes": {"dense": planned["dense"].total, "logra": planned["logra"].total},
         "tensor_model_parallel_size": parallel.tp_size(),
@@ -414,6 +420,22 @@ def write_summary(run: Run, finished: bool) -> dict:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+def count_sync(summary: dict, sync: dict) -> None:
+    """Add one weight sync to the summary's totals (``weight_sync``): syncs, low-rank ones, bytes
+    and seconds, and the bytes as a share of a full sync every time (the last full sync's size)."""
+    totals = summary.setdefault("weight_sync", {"syncs": 0, "low_rank_syncs": 0, "bytes": 0.0, "time_s": 0.0,
+                                                "restarts": 0})
+    totals["syncs"] += 1
+    totals["low_rank_syncs"] += int(sync.get("sync_low_rank", 0.0))
+    totals["bytes"] += float(sync["sync_bytes"])
+    totals["time_s"] += float(sync["sync_time_s"])
+    totals["restarts"] = int(sync.get("sync_restarts", 0.0))
+    full = float(sync.get("sync_full_bytes", 0.0))
+    if full > 0:
+        totals["full_sync_bytes"] = full
+        totals["bytes_ratio_to_full"] = totals["bytes"] / (totals["syncs"] * full)
+
 
 def rollout_length(run: Run) -> int:
     """Tokens of the longest held-out prompt plus ``--max-new-tokens``: a rollout's width."""

@@ -71,10 +71,16 @@ from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
 from logra_megatron.models.weights import full_state
 from logra_megatron.rollout.megatron_engine import _check_prompts
+from logra_megatron.rollout.policy_update import low_rank_message, projections, replayable, routes
 from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
 
 INSTALL = "pip install -e .[rollout]"
 MIB = 2**20
+POLICY_SYNCS = ("full", "lowrank")
+WORKER_EXTENSION = "logra_megatron.rollout.vllm_worker.LowRankWeights"
+COMMIT_LOG_LIMIT = 64
+"""Most optimizer steps a low-rank sync replays (more, e.g. a supervised warm-up between two
+syncs: a full sync instead); an RL step commits ``--num-minibatches x --ppo-epochs``."""
 
 
 def import_vllm():
@@ -229,9 +235,24 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model, model_config: Optional[ModelConfig] = None, vocab_size: Optional[int] = None,
-                 sync_bucket_mb: int = 512, kv_cache_mb: int = 256, max_num_seqs: int = 256):
+                 sync_bucket_mb: int = 512, kv_cache_mb: int = 256, max_num_seqs: int = 256,
+                 optimizer=None, policy_sync: str = "full", full_sync_interval: int = 10):
         if sync_bucket_mb < 1:
             raise UserError(f"--sync-bucket-mb must be >= 1, got {sync_bucket_mb}")
+        if policy_sync not in POLICY_SYNCS:
+            raise UserError(f"--policy-sync must be one of {', '.join(POLICY_SYNCS)}, got {policy_sync!r}")
+        if policy_sync == "lowrank" and not hasattr(optimizer, "log_commits"):
+            raise UserError("--policy-sync lowrank sends LoGRA's low-rank steps: it needs --optimizer logra")
+        if full_sync_interval < 1:
+            raise UserError(f"--full-sync-interval must be >= 1, got {full_sync_interval}")
+        self.optimizer = optimizer
+        self.policy_sync = policy_sync
+        self.full_sync_interval = full_sync_interval
+        self.low_rank_since_full = 0
+        self.full_sync_bytes = 0.0
+        """Bytes of the last full sync (what a low-rank sync is compared with)."""
+        self.restarts = 0
+        """Engines rebuilt after a sync failed in them."""
         self.model = model
         self.model_config = model_config
         self.vocab_size = vocab_size
@@ -264,10 +285,35 @@ class VLLMEngine:
         completions, logprobs = _from_engine_rank(result)
         return rollouts_from_completions(prompts, completions, logprobs, sampling, device)
 
-    def sync_weights(self, model) -> Dict[str, float]:
+    def sync_weights(self, model, force_full: bool = False) -> Dict[str, float]:
+        """A full sync, or with ``policy_sync="lowrank"`` the optimizer's steps since the last
+        sync in low-rank form, unless a full one is due: the engine holds no weights yet, the
+        projections changed, the commit log is incomplete, or ``full_sync_interval`` syncs
+        passed since the last full one. A sync that fails in the engine rebuilds the engine
+        and sends everything (``sync_restarts`` counts it)."""
         self.model = model
         vocab = self.engine_vocab or self.vocab_size or unwrap_model(model).vocab_size
+        if self.policy_sync == "lowrank" and self.engine_vocab is not None and not force_full:
+            log = self.optimizer.commit_log
+            commits = log.take() if log is not None else None
+            can, _why = replayable(commits, self.optimizer)
+            if can and self.low_rank_since_full + 1 < self.full_sync_interval:
+                return self._low_rank_sync(commits)
         return self._full_sync(vocab)
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> List[List[float]]:
+        """The engine's log-probs (temperature 1) of tokens ``1..`` of each sequence given the
+        tokens before them: what the engine computes for fixed token sequences (tests compare
+        them with the trainer's). The engine must hold weights (after a sync or a generate)."""
+        result = None
+        if _is_engine_rank():
+            vllm = import_vllm()
+            params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(sequence)} for sequence in sequences],
+                                        params, use_tqdm=False)
+            result = [[float(step[token].logprob) for step, token in zip(output.prompt_logprobs[1:], sequence[1:])]
+                      for output, sequence in zip(outputs, sequences)]
+        return _from_engine_rank(result)
 
     def close(self) -> None:
         """Shut the engine down and remove its config folder; call it before the process groups
@@ -327,6 +373,7 @@ class VLLMEngine:
             max_num_batched_tokens=max(32768, max_len), kv_cache_memory_bytes=kv_bytes,
             distributed_executor_backend="uni", tensor_parallel_size=1, seed=0,
             logprobs_mode="processed_logprobs", generation_config="vllm",
+            worker_extension_cls=WORKER_EXTENSION,
         )
 
     def _drop_engine(self) -> None:
@@ -339,36 +386,94 @@ class VLLMEngine:
             self._folder = None
         self.engine_vocab = None
 
-    def _full_sync(self, vocab: int) -> Dict[str, float]:
+    def _full_sync(self, vocab: int, rebuild: bool = False) -> Dict[str, float]:
         """Every parameter, gathered and converted, into the engine (built first if it holds
-        another vocabulary or none). Collective over the replica."""
+        another vocabulary or none, or ``rebuild``). With ``policy_sync="lowrank"`` the worker
+        keeps a copy and the projections, and the optimizer starts logging its steps.
+        Collective over the replica."""
         start = time.perf_counter()
         state = full_state(unwrap_model(self.model))
-        sent = 0
+        lowrank = self.policy_sync == "lowrank"
+        dtype = self._dtype()
+        extras = {}
+        if lowrank:  # (collective over PP)
+            extras = {"projections": projections(self.optimizer, dtype),
+                      "routes": routes(self.optimizer, self._hf_config(vocab),
+                                       untied_output=not self._engine_config(vocab).tie_embeddings)}
+        sent, restarted = 0, 0
         if _is_engine_rank():
-            if self.llm is None or self.engine_vocab != vocab:
+            if rebuild or self.llm is None or self.engine_vocab != vocab:
                 self._build(vocab)
             tensors = megatron_to_hf(state, self._hf_config(vocab))
             del state
             if "lm_head.weight" not in tensors and not self._engine_config(vocab).tie_embeddings:
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-            handed = [0]
-
-            def stream():
-                for bucket in weight_buckets(tensors, self.sync_bucket_mb * MIB, self._dtype()):
-                    for name, tensor in bucket:
-                        handed[0] += tensor.numel() * tensor.element_size()
-                        yield name, tensor
-
-            # One reload over the whole stream: vLLM processes (repacks) a layer once all of its
-            # tensors arrived, which a reload per bucket would break for a layer split between
-            # two buckets (q/k/v and gate/up are fused in the engine).
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-            self.llm.reset_prefix_cache()
-            sent = handed[0]
+            try:
+                sent = self._load(tensors, extras, dtype)
+            except Exception:  # the engine may hold half the new weights: start a fresh one
+                self._build(vocab)
+                sent = self._load(tensors, extras, dtype)
+                restarted = 1
+        if lowrank:
+            self.optimizer.log_commits(COMMIT_LOG_LIMIT)
         self.engine_vocab = vocab
-        measured = {"sync_bytes": float(sent), "sync_time_s": time.perf_counter() - start}
+        self.low_rank_since_full = 0
+        restarted = _from_engine_rank(restarted)
+        self.restarts += restarted
+        return self._measured(sent, start, low_rank=False)
+
+    def _load(self, tensors: Dict[str, torch.Tensor], extras: dict, dtype: torch.dtype) -> int:
+        """Stream ``tensors`` (HF names) into the engine; the bytes handed over (the tensors in
+        ``dtype``, and with ``extras`` the projections). Engine rank only."""
+        handed = [0]
+
+        def stream():
+            for bucket in weight_buckets(tensors, self.sync_bucket_mb * MIB, dtype):
+                for name, tensor in bucket:
+                    handed[0] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        # One reload over the whole stream: vLLM processes (repacks) a layer once all of its
+        # tensors arrived, which a reload per bucket would break for a layer split between
+        # two buckets (q/k/v and gate/up are fused in the engine).
+        if extras:
+            self.llm.collective_rpc("logra_load", kwargs={"weights_iterator": stream(), **extras})
+            handed[0] += sum(t.numel() * t.element_size() for _side, t in extras["projections"].values())
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self.llm.reset_prefix_cache()
+        return handed[0]
+
+    def _low_rank_sync(self, commits) -> Dict[str, float]:
+        """The committed steps' factors and the dense remainder into the engine, applied by its
+        worker (logra_megatron/rollout/vllm_worker.py). Collective over the replica; a failure
+        in the engine falls back to a full sync into a fresh engine."""
+        start = time.perf_counter()
+        vocab = self.engine_vocab
+        message = low_rank_message(self.model, self.optimizer, commits, self._hf_config(vocab), self._dtype())
+        sent, failed = 0, False
+        if _is_engine_rank():
+            try:
+                self.llm.collective_rpc("logra_apply", kwargs={"message": message, "dtype": self._dtype()})
+                self.llm.reset_prefix_cache()
+                sent = message.nbytes()
+            except Exception:
+                failed = True
+        del message
+        if _from_engine_rank(failed):
+            self.restarts += 1
+            return self._full_sync(vocab, rebuild=True)
+        self.low_rank_since_full += 1
+        return self._measured(sent, start, low_rank=True)
+
+    def _measured(self, sent: int, start: float, low_rank: bool) -> Dict[str, float]:
+        if not low_rank:
+            self.full_sync_bytes = float(sent)
+        measured = {"sync_bytes": float(sent), "sync_time_s": time.perf_counter() - start,
+                    "sync_low_rank": float(low_rank), "sync_full_bytes": float(self.full_sync_bytes),
+                    "sync_restarts": float(self.restarts)}
         self.last_sync = _from_engine_rank(measured)
+        self.full_sync_bytes = self.last_sync["sync_full_bytes"]
         return self.last_sync
 
     def _sample(self, prompts, sampling: SamplingConfig):
