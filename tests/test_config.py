@@ -88,6 +88,9 @@ def test_bad_values_of_every_component_fail_fast_in_one_line(args, message):
 def test_bad_values_fail_before_any_process_group():
     import torch.distributed as dist
 
+    from logra_megatron import parallel
+
+    parallel.destroy()  # an earlier test of this process may have started one
     for args in (["--top-p", "0"], ["--group-size", "0"], ["--tensor-model-parallel-size", "2"]):
         with pytest.raises(UserError):
             parse_train_args(args, world_size=1)

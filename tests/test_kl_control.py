@@ -22,7 +22,7 @@ HELD_OUT = ProbeSet(TOKENS[2:4], torch.ones(2, 33), micro_batch_size=2)  # rows 
 TARGET = 0.02
 
 
-def controlled_run(mode, lr=5e-2, steps=5, kind="logra", held_out=None, **settings):
+def controlled_run(mode, lr=5e-2, steps=5, kind="logra", held_out=None, mismatch=None, **settings):
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind=kind, lr=lr),
                                         LogRAConfig(rank=16, refresh_interval=5))
@@ -33,7 +33,9 @@ def controlled_run(mode, lr=5e-2, steps=5, kind="logra", held_out=None, **settin
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         lm_forward_backward(ddp, TOKENS, 4)
-        history.append(controller.step(ddp, optimizer, PROBE, held_out))
+        if mismatch is not None:  # what the trainer observes from the rollout engine each batch
+            controller.observe_mismatch(mismatch)
+        history.append({**controller.step(ddp, optimizer, PROBE, held_out), "budget": controller.budget()})
     return history
 
 
@@ -162,3 +164,36 @@ def test_a_non_finite_forecast_skips_the_step_and_the_next_one_commits(kind, mon
     assert not skipped["success"] and skipped["step_scale"] == 0.0 and moved == 0.0
     committed, moved = step(poisoned=False)
     assert committed["success"] and moved > 0.0
+
+
+def test_observed_mismatch_lowers_the_budget_to_at_most_half():
+    controller = PredictedKLController(KLControlConfig(target=TARGET, subtract_mismatch=True))
+    assert controller.budget() == TARGET  # nothing observed yet
+    controller.observe_mismatch(0.2 * TARGET)
+    assert controller.budget() == pytest.approx(0.8 * TARGET)  # the first observation seeds the EMA
+    controller.observe_mismatch(0.7 * TARGET)
+    assert controller.mismatch == pytest.approx((0.3 * 0.7 + 0.7 * 0.2) * TARGET)
+    controller.observe_mismatch(float("nan"))  # ignored
+    assert controller.budget() == pytest.approx((1 - 0.35) * TARGET)
+    for _ in range(20):
+        controller.observe_mismatch(5 * TARGET)
+    assert controller.budget() == pytest.approx(0.5 * TARGET)  # floored
+    resumed = PredictedKLController(KLControlConfig(target=TARGET, subtract_mismatch=True))
+    resumed.load_state_dict(controller.state_dict())
+    assert resumed.budget() == controller.budget() and resumed.mismatch == controller.mismatch
+    # Without the flag an observation changes nothing.
+    plain = PredictedKLController(KLControlConfig(target=TARGET))
+    plain.observe_mismatch(0.5 * TARGET)
+    assert plain.budget() == TARGET and plain.mismatch is None
+
+
+def test_steps_hold_the_realized_kl_to_the_budget_left_by_the_mismatch():
+    """An engine mismatch of 0.4 target: every controlled step keeps its realized KL near
+    0.6 target (where without the flag it sits near the target)."""
+    spent = controlled_run("probe", mismatch=0.4 * TARGET, subtract_mismatch=True)
+    plain = controlled_run("probe", mismatch=0.4 * TARGET)
+    for metrics in spent:
+        assert metrics["budget"] == pytest.approx(0.6 * TARGET)
+        assert metrics["kl_realized"] <= 1.2 * 0.6 * TARGET, spent
+    assert max(m["kl_realized"] for m in plain) > 0.8 * TARGET, plain
+    assert spent[0]["step_scale"] < plain[0]["step_scale"]  # the same first gradient, a smaller step

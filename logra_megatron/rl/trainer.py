@@ -274,6 +274,9 @@ def rl_step(run: Run, step: int) -> dict:
     # The engine's own log-probs of the sampled tokens (engines that return them), laid out like
     # old_logprobs (position t scores token t + 1): --tis-cap's weights and the mismatch metrics.
     engine_logprobs = None if batch.logprobs is None else batch.logprobs[:, 1:]
+    mismatch = engine_mismatch(engine_logprobs, old_logprobs, batch.response_mask[:, 1:])
+    if mismatch:  # --kl-subtract-mismatch: this batch's mismatch lowers the steps' KL budget
+        run.controller.observe_mismatch(mismatch["logp_mismatch_kl"])
     ref_logprobs = None
     if run.reference is not None:
         ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab)
@@ -301,7 +304,7 @@ def rl_step(run: Run, step: int) -> dict:
         "skipped": 0.0 if control["success"] else 1.0, "skipped_steps": float(run.state.skipped_steps + (not control["success"])),
         "controller_time_s": control["controller_time_s"],
         "controller_extra_bytes": float(control["controller_extra_bytes"]),
-        **engine_mismatch(engine_logprobs, old_logprobs, batch.response_mask[:, 1:]),
+        **mismatch, "kl_budget": run.controller.budget(),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
         "tied_group_share": agree(float(tied.float().mean())),
         "sequences_in_loss": agree(float(batch.num_sequences)) * parallel.dp_size(),
@@ -345,16 +348,21 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
 
 def engine_mismatch(engine_logprobs, trainer_logprobs, mask) -> dict:
     """``logp_mismatch_mean`` / ``logp_mismatch_max``: mean and max of |engine - trainer| log-prob
-    over the batch's response tokens (agreed over replicas: the mean of means, the max); nothing
-    for an engine that returns no log-probs."""
+    over the batch's response tokens; ``logp_mismatch_kl``: the KL from the engine's sampling
+    distribution to the trainer's, estimated on those tokens (sampled by the engine) with the
+    non-negative estimator ``r - 1 - log r``, ``r = p_trainer / p_engine`` (what
+    ``--kl-subtract-mismatch`` subtracts from the KL budget: a KL, in the budget's units). Agreed
+    over replicas (means of means, the max); nothing for an engine that returns no log-probs."""
     if engine_logprobs is None:
         return {}
     mask = mask.bool()
-    gap = (engine_logprobs - trainer_logprobs).abs()[mask]
-    mean = float(gap.mean()) if gap.numel() else 0.0
-    largest = float(gap.max()) if gap.numel() else 0.0
-    return {"logp_mismatch_mean": parallel.agree_on_scalar(mean),
-            "logp_mismatch_max": parallel.agree_on_scalar(largest, op="max")}
+    log_ratio = (trainer_logprobs - engine_logprobs).double()[mask]
+    gap = log_ratio.abs()
+    kl = log_ratio.exp() - 1.0 - log_ratio
+    agree = parallel.agree_on_scalar
+    return {"logp_mismatch_mean": agree(float(gap.mean()) if gap.numel() else 0.0),
+            "logp_mismatch_max": agree(float(gap.max()) if gap.numel() else 0.0, op="max"),
+            "logp_mismatch_kl": agree(float(kl.mean()) if kl.numel() else 0.0)}
 
 
 def count_skips(run: Run, skipped: bool) -> None:

@@ -3,15 +3,20 @@
 :class:`VLLMEngine` keeps its own copy of the policy in an in-process vLLM engine and is sent the
 trainer's weights after every optimizer step (:meth:`VLLMEngine.sync_weights`). The choices:
 
-**Where it runs.** One engine per model replica, in the process of the replica's first rank
-(tensor rank 0 of the first pipeline stage), with vLLM's own tensor parallelism at 1. In-process
-mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) builds in 2-3 s instead of the
-15-20 s a separate engine process takes, and lets the weights be handed over as tensors. The
-sampled rows are broadcast over the replica's model-parallel group, so every rank of the replica
-holds the same :class:`Rollouts`, laid out exactly as the Megatron engine lays them out (left
-padding, prompt-major rows, ``pad_id`` after EOS). vLLM is imported only here, and only when
-the engine first runs. The module sits above the conversion library it uses (a layer of its own
-in docs/ARCHITECTURE.md); the trainer reaches it only through the registry's dynamic import.
+**Where it runs.** One engine per model replica, hosted by the replica's first rank (tensor
+rank 0 of the first pipeline stage), with vLLM's own tensor parallelism at 1. A one-process job
+keeps the engine in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor):
+it builds in 2-3 s instead of 15-27 s and the weights are handed over as tensors. A multi-rank
+job (TP, PP or DP > 1) cannot: vLLM forms its torch.distributed groups over the existing world,
+which would need every rank to take part. There the engine runs in processes of its own,
+spawned (a forked child would inherit the trainer's process groups), and the weights and
+low-rank messages cross through one file in shared memory per call (``_call``: vLLM's RPC does
+not carry tensors). The sampled rows are broadcast over the replica's model-parallel group, so
+every rank of the replica holds the same :class:`Rollouts`, laid out exactly as the Megatron
+engine lays them out (left padding, prompt-major rows, ``pad_id`` after EOS). vLLM is imported
+only here, and only when the engine first runs. The module sits above the conversion library it
+uses (a layer of its own in docs/ARCHITECTURE.md); the trainer reaches it only through the
+registry's dynamic import.
 
 **What the engine is built from.** A ``config.json`` written from our :class:`ModelConfig` by the
 converter's :func:`hf_config_from_model_config` in a temporary folder; the engine starts with
@@ -30,8 +35,20 @@ the previous one has been consumed) through one call of the worker's ``reload_we
 loads each layer and re-runs the CPU backend's weight repacking as soon as the layer is
 complete (a reload per bucket would process a layer split between two buckets half-loaded: vLLM
 fuses q/k/v and gate/up). The prefix cache is reset afterwards, or prompts sharing a prefix
-would reuse keys and values computed with the old weights. ``sync_bytes`` is the sum of the bytes of the tensors
-actually handed over; ``sync_time_s`` covers gather, conversion and reload.
+would reuse keys and values computed with the old weights. ``sync_bytes`` is the sum of the bytes
+of the tensors actually handed over; ``sync_time_s`` covers gather, conversion and reload.
+
+**Low-rank sync** (``policy_sync="lowrank"``, LoGRA only). A full sync also hands the worker the
+projections and each factor's route (Hugging Face name, row mapping), and the worker keeps an
+fp32 copy of the weights (logra_megatron/rollout/vllm_worker.py). From then on the optimizer
+logs its committed steps (logra_megatron/logra/commit_log.py); a sync gathers each step's
+sketch-space update ``U`` over TP and PP with the decay scalar and step size
+(logra_megatron/rollout/policy_update.py), adds the weights LoGRA does not sketch as dense
+tensors, and the worker replays the steps onto its copy with the trainer's own operations and
+reloads. Between projection refreshes the engine already holds P or Q, so only ``U`` travels.
+A full sync is sent instead when the projections were redrawn, the log overflowed
+(``COMMIT_LOG_LIMIT``), ``full_sync_interval`` syncs passed, or the engine failed mid-sync (it is
+rebuilt: ``sync_restarts``).
 
 **Sampling.** :class:`SamplingConfig` maps onto vLLM's ``SamplingParams`` with the same meaning:
 temperature 0 is greedy, top-k 0 keeps all, ``n`` = samples per prompt (greedy: the prompt repeated,
@@ -41,16 +58,17 @@ crashes vLLM's CPU sampler when a batch needs chunked prefill, so requests carry
 the engine draws from torch's global generator, which is re-seeded with ``SamplingConfig.seed``
 for the call (inside ``torch.random.fork_rng``, so the trainer's own stream is untouched). The
 same seed, prompts and weights give the same tokens; the stream differs from the Megatron
-engine's. The engine returns the log-prob of each sampled token under the distribution it
+engine's. An engine in processes of its own batches requests as they arrive, so there each
+request carries a seed derived from ``SamplingConfig.seed`` and its index (and chunked prefill,
+which crashes the CPU sampler's per-request generators, is off). The engine returns the log-prob of each sampled token under the distribution it
 sampled from after temperature (``logprobs_mode="processed_logprobs"``), as ``Rollouts.logprobs``;
 with top-k or top-p on, that distribution is the filtered one (renormalized), which the trainer's
 log-probs (temperature only) are not.
 
 **Limits.** vLLM's CPU attention has kernels for head dims 32, 64, 80, ... only (not the tiny
-preset's 16); the engine says so when it is built. The engine runs in a world of one process:
-vLLM forms its own torch.distributed groups from the existing world, which would need every rank
-of a multi-rank job to take part. :meth:`VLLMEngine.close` must run before the trainer destroys
-its process groups (vLLM's own teardown would destroy the trainer's default group).
+preset's 16: ``--num-attention-heads 2`` makes it 32); the engine says so when it is built.
+:meth:`VLLMEngine.close` must run before the trainer destroys its process groups (vLLM's own
+teardown of an in-process engine would destroy the trainer's default group).
 """
 
 import gc
@@ -86,8 +104,6 @@ syncs: a full sync instead); an RL step commits ``--num-minibatches x --ppo-epoc
 def import_vllm():
     """The ``vllm`` module, imported for in-process use; a one-line :class:`UserError` saying how
     to install it when it is missing or does not load."""
-    # Read by vLLM when it builds an engine: keep the engine core and its worker in this process.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Errors only (set VLLM_LOGGING_LEVEL to see more): every reload logs a warning for the
     # rotary embedding (a buffer, nothing to send) and the engine's start a chat-template one
@@ -265,10 +281,10 @@ class VLLMEngine:
         every decision to build or rebuild is taken from values all ranks share)."""
         self.last_sync: Dict[str, float] = {}
         self._folder: Optional[str] = None
-        if model is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            raise UserError("--rollout-engine vllm runs in a one-process job for now (the in-process "
-                            "engine forms torch.distributed groups of its own); use the megatron engine "
-                            "for multi-rank runs")
+        self.separate_process = dist.is_initialized() and dist.get_world_size() > 1
+        """The engine runs in processes of its own (a multi-rank job: an in-process engine would
+        form its torch.distributed groups over the trainer's whole world)."""
+        self._exchange: Optional[str] = None
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -360,6 +376,13 @@ class VLLMEngine:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (it guards its own thread binding); the trainer keeps the real one.
         set_num_threads = torch.set_num_threads
+        # Read by vLLM when it builds an engine: the engine core and its worker in this process,
+        # or (multi-rank jobs) in new processes, spawned: a forked child would inherit the
+        # trainer's process groups.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
+        if self.separate_process:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            self._exchange = tempfile.mkdtemp(prefix="logra_vllm_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
             self.llm = self._new_llm(vllm, dtype_name, max_len, kv_bytes)
         finally:
@@ -374,6 +397,8 @@ class VLLMEngine:
             distributed_executor_backend="uni", tensor_parallel_size=1, seed=0,
             logprobs_mode="processed_logprobs", generation_config="vllm",
             worker_extension_cls=WORKER_EXTENSION,
+            # Per-request seeds (a separate engine process) need whole prefills.
+            **({"enable_chunked_prefill": False} if self.separate_process else {}),
         )
 
     def _drop_engine(self) -> None:
@@ -381,9 +406,10 @@ class VLLMEngine:
             shutdown_in_process(self.llm)
             self.llm = None
             gc.collect()
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        for folder in (self._folder, self._exchange):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._folder = self._exchange = None
         self.engine_vocab = None
 
     def _full_sync(self, vocab: int, rebuild: bool = False) -> Dict[str, float]:
@@ -436,13 +462,28 @@ class VLLMEngine:
         # One reload over the whole stream: vLLM processes (repacks) a layer once all of its
         # tensors arrived, which a reload per bucket would break for a layer split between
         # two buckets (q/k/v and gate/up are fused in the engine).
-        if extras:
-            self.llm.collective_rpc("logra_load", kwargs={"weights_iterator": stream(), **extras})
-            handed[0] += sum(t.numel() * t.element_size() for _side, t in extras["projections"].values())
+        if self.separate_process:  # tensors do not cross vLLM's RPC: one file in shared memory
+            self._call("logra_load", weights=dict(stream()), **extras)
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+            self._call("logra_load", weights_iterator=stream(), **extras)
+        if extras:
+            handed[0] += sum(t.numel() * t.element_size() for _side, t in extras["projections"].values())
         self.llm.reset_prefix_cache()
         return handed[0]
+
+    def _call(self, method: str, **arguments):
+        """``method`` of the engine's worker (logra_megatron/rollout/vllm_worker.py) with
+        ``arguments``: handed over directly in-process, through a file in shared memory to an
+        engine in processes of its own (the file is removed after the call)."""
+        if not self.separate_process:
+            return self.llm.collective_rpc(method, kwargs=arguments)
+        path = os.path.join(self._exchange, f"{method}.pt")
+        try:
+            torch.save(arguments, path)
+            return self.llm.collective_rpc("logra_call_from_file", args=(method, path))
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
 
     def _low_rank_sync(self, commits) -> Dict[str, float]:
         """The committed steps' factors and the dense remainder into the engine, applied by its
@@ -454,7 +495,7 @@ class VLLMEngine:
         sent, failed = 0, False
         if _is_engine_rank():
             try:
-                self.llm.collective_rpc("logra_apply", kwargs={"message": message, "dtype": self._dtype()})
+                self._call("logra_apply", message=message, dtype=self._dtype())
                 self.llm.reset_prefix_cache()
                 sent = message.nbytes()
             except Exception:
@@ -482,9 +523,22 @@ class VLLMEngine:
         params = sampling_params(vllm, sampling)
         copies = sampling.samples_per_prompt // params.n  # requests per prompt, adjacent
         requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts for _ in range(copies)]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sampling.seed)
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.separate_process:
+            # The engine's process schedules requests as they arrive, so the batches (and the
+            # global generator's draws per row) vary from call to call: each request carries a
+            # seed of its own instead (its n samples take seed, seed + 1, ...). Safe there:
+            # that engine never chunks a prefill (the CPU sampler's per-request generators
+            # crash on a chunked one).
+            seeded = []
+            for index in range(len(requests)):
+                one = params.clone()
+                one.seed = (sampling.seed * 2**24 + index * params.n) % 2**62
+                seeded.append(one)
+            outputs = self.llm.generate(requests, seeded, use_tqdm=False)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sampling.seed)
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions, logprobs = [], []
         for output in outputs:
             samples = sorted(output.outputs, key=lambda sample: sample.index)

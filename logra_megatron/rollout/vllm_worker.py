@@ -27,16 +27,26 @@ class LowRankWeights:
     ``logra_apply`` (a low-rank sync). Method names carry a prefix: vLLM refuses an extension
     whose names clash with the worker's."""
 
+    def logra_call_from_file(self, method: str, path: str):
+        """``method(**arguments)`` with the arguments a separate engine process cannot receive
+        through vLLM's RPC (tensors do not cross it): read from ``path``, a file the trainer
+        wrote with ``torch.save`` (memory-mapped: the tensors are read as they are loaded)."""
+        arguments = torch.load(path, mmap=True, weights_only=False)
+        if "weights" in arguments:
+            arguments["weights_iterator"] = iter(arguments.pop("weights").items())
+        return getattr(self, method)(**arguments)
+
     @torch.no_grad()
     def logra_load(self, weights_iterator: Iterable[Tuple[str, torch.Tensor]],
                    projections: Optional[Dict[str, tuple]] = None, routes=None) -> None:
-        """Load every tensor into the engine and keep an fp32 copy of each; remember the
-        projections (Megatron name -> (side, tensor)) and the factors' routes."""
-        shadow: Dict[str, torch.Tensor] = {}
+        """Load every tensor into the engine; with ``routes`` (a low-rank sync will follow) keep
+        an fp32 copy of each and remember the projections (Megatron name -> (side, tensor))."""
+        shadow: Optional[Dict[str, torch.Tensor]] = {} if routes is not None else None
 
         def keep():
             for name, tensor in weights_iterator:
-                shadow[name] = tensor.detach().to(torch.float32, copy=True)
+                if shadow is not None:
+                    shadow[name] = tensor.detach().to(torch.float32, copy=True)
                 yield name, tensor
 
         self.logra_shadow = None  # a failed load leaves no copy that claims to be current

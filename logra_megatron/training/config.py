@@ -86,6 +86,14 @@ class KLControlConfig:
         None, flag="--kl-max-scale",
         help="largest step scale: above 1 a step whose forecast is below the target grows up to this factor "
              "(default: the update rule's: 1, or 3 with --logra-update rowadam, as the reference implementation)")
+    subtract_mismatch: bool = option(
+        False, flag="--kl-subtract-mismatch",
+        help="lower the KL target by an EMA of the rollout engine's observed mismatch (the KL from "
+             "the engine's sampling distribution to the trainer's, estimated on the sampled tokens), "
+             "floored at half the target, as the reference implementation does; needs an engine that "
+             "returns log-probs")
+    mismatch_ema_weight: float = 0.3
+    """Weight of the newest observation in the mismatch's EMA (the reference implementation's)."""
     linear_epsilon: float = 1e-3
     """Finite-difference step (a fraction of D) of the linear forecast."""
     max_refinements: int = 4

@@ -25,6 +25,10 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    quadratic extrapolation of small steps gave 0.72), so ``probe`` mode re-forecasts at ``s D`` and
    rescales with the locally measured growth exponent while the forecast misses the target by
    more than ``tolerance`` (at most ``max_refinements`` extra forecasts).
+   With ``--kl-subtract-mismatch`` the target is a budget: ``kl_target`` minus an EMA of the
+   KL between the rollout engine's sampling distribution and the trainer's (observed on the
+   batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
+   the policy change the engine's numerics already add is not spent again by the step.
 4. ``optimizer.commit(s)``. No master copy is ever read back from rounded model weights.
 5. Every ``realized_interval`` steps the KL of the committed step is measured on rows the probe
    did not see (``held_out``; the probe rows when none are given), so the forecast's
@@ -85,14 +89,36 @@ class PredictedKLController:
         self.config = config
         self.steps = 0
         """Controlled steps taken (it decides the steps that measure the realized KL)."""
+        self.mismatch: Optional[float] = None
+        """EMA of the observed engine-vs-trainer KL (``--kl-subtract-mismatch``; None: none seen)."""
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (rl/checkpointing.py): the step counter that decides which
-        steps measure the realized KL."""
-        return {"steps": self.steps}
+        steps measure the realized KL, and the mismatch's EMA."""
+        return {"steps": self.steps, "mismatch": self.mismatch}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state.get("steps", 0))
+        mismatch = state.get("mismatch")
+        self.mismatch = None if mismatch is None else float(mismatch)
+
+    def observe_mismatch(self, kl: float) -> None:
+        """One batch's observed KL between the rollout engine and the trainer (the same value
+        on every rank); folded into the EMA the budget subtracts. Ignored without
+        ``--kl-subtract-mismatch`` or when not finite."""
+        if not self.config.subtract_mismatch or not math.isfinite(kl):
+            return
+        weight = self.config.mismatch_ema_weight
+        kl = max(kl, 0.0)
+        self.mismatch = kl if self.mismatch is None else weight * kl + (1.0 - weight) * self.mismatch
+
+    def budget(self) -> float:
+        """The KL a step may cause: ``kl_target``, less the mismatch's EMA with
+        ``--kl-subtract-mismatch`` (never below half of ``kl_target``)."""
+        target = self.config.target
+        if not self.config.subtract_mismatch or self.mismatch is None:
+            return target
+        return max(0.5 * target, target - self.mismatch)
 
     # --- forecasts (public for tests and the demo) ------------------------------------------------
 
@@ -155,24 +181,24 @@ class PredictedKLController:
             max_scale = self.max_scale(None)
         if kl <= 0:
             return max_scale
-        return min(max_scale, math.sqrt(self.config.target / kl))
+        return min(max_scale, math.sqrt(self.budget() / kl))
 
     def _refine(self, model, optimizer, probe, scale: float, kl_full: float) -> float:
         """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
         local growth exponent of KL in the step size (2 near zero, towards 1 for large steps)
         is estimated from the last two forecasts, in log space, and used for the next scale."""
-        config = self.config
+        config, budget = self.config, self.budget()
         previous_scale, previous_kl = 1.0, kl_full
         for _ in range(config.max_refinements):
             kl = self.kl(model, optimizer, probe, scale)
-            if kl <= config.tolerance * config.target:
+            if kl <= config.tolerance * budget:
                 return scale
             exponent = 2.0
             if kl > 0 and previous_kl > 0 and previous_scale != scale and previous_kl != kl:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
                 exponent = min(2.0, max(1.0, exponent))
             previous_scale, previous_kl = scale, kl
-            scale *= (config.target / kl) ** (1.0 / exponent)
+            scale *= (budget / kl) ** (1.0 / exponent)
         return scale
 
     # --- the controlled step --------------------------------------------------------------------

@@ -57,3 +57,29 @@ def test_off_or_without_engine_logprobs_changes_nothing():
 def test_bad_tis_cap_is_a_user_error(value):
     with pytest.raises(UserError, match="--tis-cap"):
         PolicyLossConfig(tis_cap=value)
+
+
+# --- the engine-vs-trainer mismatch (logged every step; --kl-subtract-mismatch spends it) ------
+
+def test_mismatch_kl_estimates_the_kl_from_the_engine_to_the_trainer():
+    """Tokens sampled from the engine's distribution: the mean of ``r - 1 - log r`` on them is
+    KL(engine || trainer), here checked against the exact sum over a 5-token vocabulary."""
+    from logra_megatron import parallel
+    from logra_megatron.rl.trainer import engine_mismatch
+
+    parallel.initialize(1, 1, seed=0)
+    engine = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
+    trainer = torch.tensor([0.35, 0.3, 0.2, 0.1, 0.05], dtype=torch.float64)
+    exact = float((engine * (engine / trainer).log()).sum())
+    tokens = torch.multinomial(engine, 400_000, replacement=True, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(1, tokens.numel(), dtype=torch.bool)
+    found = engine_mismatch(engine.log()[tokens][None], trainer.log()[tokens][None], mask)
+    assert exact > 1e-3
+    assert found["logp_mismatch_kl"] == pytest.approx(exact, rel=0.05)
+    assert found["logp_mismatch_max"] == pytest.approx(float((engine.log() - trainer.log()).abs().max()))
+    # Identical log-probs: no mismatch; masked positions never count.
+    same = engine_mismatch(engine.log()[tokens][None], engine.log()[tokens][None], mask)
+    assert same["logp_mismatch_kl"] == 0.0 and same["logp_mismatch_mean"] == 0.0
+    masked = engine_mismatch(engine.log()[tokens][None], trainer.log()[tokens][None], torch.zeros_like(mask))
+    assert masked["logp_mismatch_kl"] == 0.0
+    assert engine_mismatch(None, trainer.log()[tokens][None], mask) == {}
