@@ -228,3 +228,22 @@ def test_closing_keeps_the_trainers_process_group_and_the_engine_rebuilds(setup)
     # The next call builds a fresh engine and sends the weights again.
     assert engine.generate(PROMPTS, greedy()).completions() == megatron.generate(PROMPTS, greedy()).completions()
     assert engine.last_sync["sync_bytes"] > 0
+
+
+@needs_vllm
+def test_the_embedded_default_gets_heads_vllm_serves_on_cpu():
+    """``--rollout-engine vllm`` alone on the tiny preset (heads of 16, which vLLM's CPU attention
+    has no kernel for) widens its heads to 32, says so, and leaves explicit heads and the
+    Megatron engine's model alone."""
+    from logra_megatron.config import parse_train_args
+    from logra_megatron.rl.trainer import widened_heads_line
+
+    default = parse_train_args([], world_size=1).model_config
+    widened = parse_train_args(["--rollout-engine", "vllm"], world_size=1)
+    assert (default.heads, default.kv_channels) == (4, 16)
+    assert (widened.model_config.heads, widened.model_config.kv_heads, widened.model_config.kv_channels) == (2, 2, 32)
+    assert "2 attention heads of 32 instead of 4 of 16" in widened_heads_line(widened)
+    explicit = parse_train_args(["--rollout-engine", "vllm", "--num-attention-heads", "4"], world_size=1)
+    assert explicit.model_config.heads == 4 and widened_heads_line(explicit) is None
+    smollm2 = parse_train_args(["--rollout-engine", "vllm", "--preset", "smollm2-135m"], world_size=1)
+    assert smollm2.model_config.heads == 9  # head dim 64: served as it is

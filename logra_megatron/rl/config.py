@@ -148,8 +148,9 @@ class RolloutConfig:
 
     engine: str = option("megatron", flag="--rollout-engine", choices=tuple(ROLLOUT_ENGINES),
                          help="rollout engine: megatron (KV-cache generation on the trainer's own model) or "
-                              "vllm (an in-process vLLM engine on each replica's first rank, sent the "
-                              "weights after every step; pip install -e .[rollout])")
+                              "vllm (a vLLM engine on each replica's first rank, in-process in a one-process "
+                              "job, sent the weights after every step; pip install -e .[rollout]; on CPU a "
+                              "preset's heads narrower than 32 are widened to 32)")
     prompts_per_step: int = option(16, help="prompts per optimizer step (the global batch is prompts x "
                                             "--group-size sequences)")
     sync_bucket_mb: int = option(512, help="weight sync into a separate rollout engine (vllm): MiB of "
@@ -284,6 +285,28 @@ def _preset_with_heads(source: ModelSourceConfig) -> ModelConfig:
     return model.with_changes(heads=heads, kv_heads=groups)
 
 
+VLLM_CPU_MIN_HEAD_DIM = 32
+"""vLLM's CPU attention has kernels for head dims 32, 64, 80, ... only."""
+
+
+def heads_for_the_engine(config: TrainConfig, model: ModelConfig) -> ModelConfig:
+    """The preset, or with ``--rollout-engine vllm`` on a machine without CUDA and a preset whose
+    heads are narrower than vLLM's CPU attention serves (the tiny preset: 4 heads of 16), the
+    preset with heads of 32 (what ``--num-attention-heads hidden/32`` gives: as many kv heads as
+    heads), so that the embedded default runs with vLLM as it is. Heads given on the command
+    line are kept (the engine then says what it cannot serve)."""
+    if (config.rollout.engine != "vllm" or config.model.num_attention_heads is not None
+            or config.model.num_query_groups is not None or model.kv_channels >= VLLM_CPU_MIN_HEAD_DIM
+            or model.hidden % VLLM_CPU_MIN_HEAD_DIM):
+        return model
+    import torch
+
+    if torch.cuda.is_available():
+        return model
+    heads = model.hidden // VLLM_CPU_MIN_HEAD_DIM
+    return model.with_changes(heads=heads, kv_heads=heads)
+
+
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
@@ -294,7 +317,7 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
                             "keeps its own architecture")
         model = _read_model_config(load_dir)  # a checkpoint decides its own architecture
     else:
-        model = _preset_with_heads(config.model)
+        model = heads_for_the_engine(config, _preset_with_heads(config.model))
     tokenizer = build_run_tokenizer(config.model, load_dir)
     if load_dir is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
         model = model.with_changes(vocab=tokenizer.vocab_size)  # the embedded default: no unused rows

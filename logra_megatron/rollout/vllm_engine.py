@@ -1,7 +1,7 @@
 """Rollouts sampled by vLLM (``--rollout-engine vllm``), with the trainer's weights pushed in.
 
-:class:`VLLMEngine` keeps its own copy of the policy in an in-process vLLM engine and is sent the
-trainer's weights after every optimizer step (:meth:`VLLMEngine.sync_weights`). The choices:
+:class:`VLLMEngine` keeps its own copy of the policy in a vLLM engine and is sent the trainer's
+weights after every optimizer step (:meth:`VLLMEngine.sync_weights`). The choices:
 
 **Where it runs.** One engine per model replica, hosted by the replica's first rank (tensor
 rank 0 of the first pipeline stage), with vLLM's own tensor parallelism at 1. A one-process job
@@ -66,7 +66,8 @@ with top-k or top-p on, that distribution is the filtered one (renormalized), wh
 log-probs (temperature only) are not.
 
 **Limits.** vLLM's CPU attention has kernels for head dims 32, 64, 80, ... only (not the tiny
-preset's 16: ``--num-attention-heads 2`` makes it 32); the engine says so when it is built.
+preset's 16: the trainer widens such a preset's heads to 32 for this engine, see
+``heads_for_the_engine`` in logra_megatron/rl/config.py); the engine says so when it is built.
 :meth:`VLLMEngine.close` must run before the trainer destroys its process groups (vLLM's own
 teardown of an in-process engine would destroy the trainer's default group).
 """
@@ -239,7 +240,7 @@ def shutdown_in_process(llm) -> None:
 
 
 class VLLMEngine:
-    """``--rollout-engine vllm``: an in-process vLLM engine on the replica's first rank, sent the
+    """``--rollout-engine vllm``: a vLLM engine on the replica's first rank, sent the
     trainer's weights by :meth:`sync_weights` (see the module docstring).
 
     ``model_config`` is the policy's :class:`ModelConfig` (needed to build the engine);

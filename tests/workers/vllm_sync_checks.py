@@ -26,7 +26,7 @@ VOCAB = 99
 MODEL = get_preset("tiny").with_changes(heads=2, kv_heads=2)  # head dim 32; 2 kv heads split over TP=2
 PROMPTS = [[17, 83, 45], [3, 88, 50, 9, 40, 61, 77, 12, 98], [50, 1, 64, 28, 33], [5, 6, 7, 8, 9, 10]]
 COMPLETIONS = [[4, 19, 73, 2, 55, 31], [60, 60, 8, 91, 14, 3], [22, 97, 41, 5, 70, 12], [1, 2, 3, 4, 5, 6]]
-STEPS = 7
+STEPS = 8
 
 
 def scored(model, engine):
