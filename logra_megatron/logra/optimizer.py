@@ -77,17 +77,6 @@ class DenseRemainder(Protocol):
     def clip_grads(self, max_norm: float, total_norm: float) -> None:
         """Scale the dense gradients by ``max_norm / total_norm`` when that is below 1."""
 
-    def log_commits(self, limit: int) -> None:
-        """Keep every committed step from now on (at most ``limit`` between two takes) for a
-        rollout engine that replays them (:mod:`~logra_megatron.logra.commit_log`)."""
-        self.commit_log = CommitLog(limit)
-
-    @property
-    def redraws_projections(self) -> bool:
-        """The projections change before every backward (``rowadam``): no committed step can be
-        replayed under the projections of the last sync."""
-        return isinstance(self.refresh, RademacherRedraw)
-
     def discard(self) -> None: ...
 
     def propose_with_ready_grads(self) -> bool:

@@ -102,6 +102,12 @@ def full_state(model, what: str = "param", include=None) -> dict:
         if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
             continue
         mine[global_name(name, offset)] = full
+    return merge_stages(mine)
+
+
+def merge_stages(mine: dict) -> dict:
+    """Every pipeline stage's ``mine`` (a dict under global names) merged into one, on every
+    rank. Collective over PP."""
     if parallel.pp_size() == 1:
         return mine
     stages = [None] * parallel.pp_size()

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.convert.hf import hf_tensors
 from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
-from logra_megatron.models.weights import full_state, gather_full
+from logra_megatron.models.weights import full_state, gather_full, merge_stages
 
 EMBEDDING_HF = "model.embed_tokens.weight"
 OUTPUT_HF = "lm_head.weight"
@@ -79,18 +78,6 @@ def _is_engine_rank() -> bool:
     return parallel.tp_rank() == 0 and parallel.pp_rank() == 0
 
 
-def _merge_stages(mine: dict) -> dict:
-    """Every pipeline stage's ``mine`` merged (collective over PP)."""
-    if parallel.pp_size() == 1:
-        return mine
-    stages = [None] * parallel.pp_size()
-    dist.all_gather_object(stages, mine, group=parallel.pp_group())
-    merged = {}
-    for stage in stages:
-        merged.update(stage)
-    return merged
-
-
 def _entries(optimizer) -> list:
     """The sketched weights that carry their own update (not a tied embedding's pipeline copy)."""
     return [entry for entry in optimizer.weights if not entry.pipeline_copy]
@@ -99,14 +86,14 @@ def _entries(optimizer) -> list:
 def projections(optimizer, engine_dtype: torch.dtype) -> Dict[str, Tuple[str, torch.Tensor]]:
     """Megatron name -> (side, projection) of every sketched weight, in the engine's dtype
     (collective over PP; TP ranks hold the same projections)."""
-    return _merge_stages({entry.name: (entry.sketch.side, entry.sketch.projection.to(engine_dtype))
+    return merge_stages({entry.name: (entry.sketch.side, entry.sketch.projection.to(engine_dtype))
                           for entry in _entries(optimizer)})
 
 
 def routes(optimizer, model: ModelConfig, untied_output: bool) -> Routes:
     """The :class:`Routes` of every sketched weight of ``model`` (collective over PP).
     ``untied_output``: the engine has an output layer of its own for a tied embedding."""
-    rows = _merge_stages({entry.name: entry.weight.shape[0] * (parallel.tp_size() if entry.sketch.side == RIGHT else 1)
+    rows = merge_stages({entry.name: entry.weight.shape[0] * (parallel.tp_size() if entry.sketch.side == RIGHT else 1)
                           for entry in _entries(optimizer)})
     found = Routes()
     for name, count in rows.items():
@@ -128,7 +115,7 @@ def low_rank_message(ddp_model, optimizer, commits, model: ModelConfig,
         mine = {}
         for entry in entries:
             mine[entry.name] = gather_full(entry.view(commit.update), entry.weight, entry.name)
-        merged = _merge_stages(mine)
+        merged = merge_stages(mine)
         factors = {}
         if _is_engine_rank():
             for name, factor in merged.items():
