@@ -76,11 +76,13 @@ def _state(pid: str) -> str:
 
 
 def _session_members(session: int) -> list:
+    """The live processes of ``session``: not zombies, and not processes already in their exit
+    path (their memory released: an empty command line; CI once saw one take over 5 s to go)."""
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.getsid(int(entry)) == session and _state(entry) not in ("Z", "X"):
+                if os.getsid(int(entry)) == session and _state(entry) not in ("Z", "X") and _command(int(entry)):
                     members.append(int(entry))
             except OSError:
                 pass
