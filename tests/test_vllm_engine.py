@@ -236,7 +236,7 @@ def test_the_embedded_default_gets_heads_vllm_serves_on_cpu():
     has no kernel for) widens its heads to 32, says so, and leaves explicit heads and the
     Megatron engine's model alone."""
     from logra_megatron.config import parse_train_args
-    from logra_megatron.rl.trainer import widened_heads_line
+    from logra_megatron.rl.config import widened_heads_line
 
     default = parse_train_args([], world_size=1).model_config
     widened = parse_train_args(["--rollout-engine", "vllm"], world_size=1)

@@ -307,6 +307,18 @@ def heads_for_the_engine(config: TrainConfig, model: ModelConfig) -> ModelConfig
     return model.with_changes(heads=heads, kv_heads=heads)
 
 
+def widened_heads_line(config: TrainConfig) -> Optional[str]:
+    """What the run says when :func:`heads_for_the_engine` changed the preset's heads (a
+    resolved ``config``); None when it did not."""
+    model = config.model_config
+    preset = PRESETS[config.model.preset]
+    if config.load_dir or config.model.num_attention_heads is not None or model.heads == preset.heads:
+        return None
+    return (f"model: preset {config.model.preset!r} with {model.heads} attention heads of {model.kv_channels} "
+            f"instead of {preset.heads} of {preset.kv_channels} (vLLM's CPU attention has no kernel for head dim "
+            f"{preset.kv_channels}; --rollout-engine megatron keeps the preset's)")
+
+
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""

@@ -25,11 +25,11 @@ from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.faults import kill_point, nan_point
 from logra_megatron.logra.accounting import state_bytes
-from logra_megatron.models import PRESETS, build_gpt_model, gpt_layer_spec, transformer_config
+from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state, optimizer_compatibility,
                                              save_training_state)
-from logra_megatron.rl.config import TrainConfig, resolve
+from logra_megatron.rl.config import TrainConfig, resolve, widened_heads_line
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.evaluation import EvalResult, evaluate_records
 from logra_megatron.rl.memory_plan import plan_line, plan_summary
@@ -151,18 +151,6 @@ def train(config: TrainConfig) -> dict:
     if config.checkpoint.save and saved_step != run.state.step:
         save(run)
     return write_summary(run, finished)
-
-
-def widened_heads_line(config: TrainConfig) -> Optional[str]:
-    """What the run says when ``heads_for_the_engine`` (rl/config.py) changed the preset's heads
-    for vLLM's CPU attention; None when it did not."""
-    model = config.model_config
-    preset = PRESETS[config.model.preset]
-    if config.load_dir or config.model.num_attention_heads is not None or model.heads == preset.heads:
-        return None
-    return (f"model: preset {config.model.preset!r} with {model.heads} attention heads of {model.kv_channels} "
-            f"instead of {preset.heads} of {preset.kv_channels} (vLLM's CPU attention has no kernel for head dim "
-            f"{preset.kv_channels}; --rollout-engine megatron keeps the preset's)")
 
 
 # --- phases ------------------------------------------------------------------------------------

@@ -60,8 +60,8 @@ for the call (inside ``torch.random.fork_rng``, so the trainer's own stream is u
 same seed, prompts and weights give the same tokens; the stream differs from the Megatron
 engine's. An engine in processes of its own batches requests as they arrive, so there each
 request carries a seed derived from ``SamplingConfig.seed`` and its index (and chunked prefill,
-which crashes the CPU sampler's per-request generators, is off). The engine returns the log-prob of each sampled token under the distribution it
-sampled from after temperature (``logprobs_mode="processed_logprobs"``), as ``Rollouts.logprobs``;
+which crashes the CPU sampler's per-request generators, is off). The engine returns the log-prob
+of each sampled token under the distribution it sampled from after temperature (``logprobs_mode="processed_logprobs"``), as ``Rollouts.logprobs``;
 with top-k or top-p on, that distribution is the filtered one (renormalized), which the trainer's
 log-probs (temperature only) are not.
 
@@ -103,7 +103,7 @@ syncs: a full sync instead); an RL step commits ``--num-minibatches x --ppo-epoc
 
 
 def import_vllm():
-    """The ``vllm`` module, imported for in-process use; a one-line :class:`UserError` saying how
+    """The ``vllm`` module; a one-line :class:`UserError` saying how
     to install it when it is missing or does not load."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Errors only (set VLLM_LOGGING_LEVEL to see more): every reload logs a warning for the

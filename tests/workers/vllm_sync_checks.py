@@ -2,9 +2,9 @@
 rank hosts the engine in processes of its own; the full sync and the low-rank syncs gather over
 TP and PP into it. tests/test_vllm_multirank.py asserts.
 
-Per layout: greedy rollouts against the Megatron engine's, seeded sampling, then LoGRA steps (rank 8, refresh
-every 3 steps, weight decay on) each followed by a sync, and after every sync the engine's
-log-probs of fixed sequences against the trainer's.
+Per layout: greedy rollouts against the Megatron engine's, seeded sampling, then LoGRA steps
+(rank 8, refresh every 3 steps, weight decay on) each followed by a sync, and after every sync
+the engine's log-probs of fixed sequences against the trainer's.
 """
 
 import torch
@@ -56,8 +56,8 @@ def layout_check(tp: int, pp: int):
         sampled = [engine.generate(PROMPTS, SamplingConfig(max_new_tokens=8, samples_per_prompt=2, seed=seed,
                                                            vocab_size=VOCAB)).completions()
                    for seed in (5, 5, 6)]
-        diffs, kinds, moved = [scored(model, engine)[0]], [], []
-        previous = scored(model, engine)[1]
+        diff, previous = scored(model, engine)
+        diffs, kinds, moved = [diff], [], []
         for step in range(STEPS):
             tokens = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(step))
             train_step(ddp, optimizer, lambda m: lm_forward_backward(m, tokens, 4, vocab_size=VOCAB))
