@@ -6,8 +6,11 @@ named point.
 node would: no handler, no flush, no clean-up. ``@<rank>`` limits it to one torchrun rank, and
 it fires only in the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` 0), so a
 restarted job runs through. ``LOGRA_MEGATRON_KILL_LOG=<file>`` appends ``<point> <unix time>``
-just before the kill (how long the job took to end is measured from it). Points are named where
-their callers are (rl/checkpointing.py: the phases of a save; rl/trainer.py: ``rl:step``).
+just before the kill (how long the job took to end is measured from it).
+``LOGRA_MEGATRON_KILL_SIGNAL=<name>`` (e.g. ``SIGTERM``) sends that signal instead of SIGKILL,
+and the process goes on if it handles it (the preemption tests: a signal at a known point).
+Points are named where their callers are (rl/checkpointing.py: the phases of a save;
+rl/trainer.py: ``rl:step``, at the start of an RL step).
 ``LOGRA_MEGATRON_NAN_AT="<point>[:<n>]"`` makes ``nan_point("<point>", value)`` return NaN from
 its n-th arrival on (rl/trainer.py: ``rl:loss``, the step's loss). Unset, a point costs one
 dictionary lookup.
@@ -19,6 +22,7 @@ import time
 
 KILL_AT_ENV = "LOGRA_MEGATRON_KILL_AT"
 KILL_LOG_ENV = "LOGRA_MEGATRON_KILL_LOG"
+KILL_SIGNAL_ENV = "LOGRA_MEGATRON_KILL_SIGNAL"
 NAN_AT_ENV = "LOGRA_MEGATRON_NAN_AT"
 _arrivals: dict = {}
 
@@ -59,4 +63,4 @@ def kill_point(name: str) -> None:
         if log:
             with open(log, "a") as handle:
                 handle.write(f"{name} {time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get(KILL_SIGNAL_ENV) or "SIGKILL"])

@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from logra_megatron.layout import ParallelLayout
-from logra_megatron.platform import default_backend, setup_platform
+from logra_megatron.platform import default_backend, default_device, setup_platform
 
 
 def _free_port() -> int:
@@ -176,7 +176,8 @@ def agree_on_scalar(value, op: str = "mean") -> float:
 
     Ranks that are not on the last stage pass any value (it is ignored).
     """
-    tensor = broadcast_from_last_stage(torch.tensor([float(value)], dtype=torch.float64))
+    # On the process's device: NCCL broadcasts and reduces device tensors only.
+    tensor = broadcast_from_last_stage(torch.tensor([float(value)], dtype=torch.float64, device=default_device()))
     if dp_size() > 1:
         if op == "mean":
             dist.all_reduce(tensor, group=dp_group())

@@ -13,6 +13,9 @@ def name_seed(base_seed: int, name: str, counter: int = 0) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def seeded_gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, cols, generator=generator, dtype=torch.float64).float()
+def seeded_gaussian(rows: int, cols: int, seed: int, device=None) -> torch.Tensor:
+    """A ``rows x cols`` standard normal fp32 matrix, a function of ``seed`` and the device kind
+    (drawn on ``device``, default the CPU, by that device's own generator: every rank of one
+    device kind draws the same matrix)."""
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+    return torch.randn(rows, cols, generator=generator, dtype=torch.float64, device=device).float()

@@ -16,8 +16,8 @@ from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
 from logra_megatron.cli import ArgumentParser
 from logra_megatron.errors import UserError, exit_on_user_error
 from logra_megatron.layout import ParallelLayout
-from logra_megatron.logra.config import LogRAConfig, parse_rank
-from logra_megatron.models.config import get_preset
+from logra_megatron.logra.config import LogRAConfig, add_rank_arguments, rank_settings
+from logra_megatron.models.config import ATTENTION_BACKENDS, get_preset
 from logra_megatron.training.config import OptimizerSettings
 
 
@@ -35,8 +35,11 @@ def parse_args(argv=None):
     parser.add_argument("--load", default=None, help="checkpoint directory to start from")
     parser.add_argument("--optimizer", choices=("adam", "logra"), default="adam",
                         help="Megatron dense Adam, or LoGRA sketch-space Adam")
-    parser.add_argument("--logra-rank", default="0.25", help="sketch rank: integer or fraction")
+    add_rank_arguments(parser)
     parser.add_argument("--logra-refresh-interval", type=int, default=10)
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                        help="core attention: sdpa (torch's scaled_dot_product_attention), unfused "
+                             "(Megatron's DotProductAttention), auto (sdpa)")
     parser.add_argument("--report-json", default=None, metavar="PATH",
                         help="after --train-iters steps, measure one more on every rank (training "
                              "state by component, peak step bytes, bytes passed to each collective "
@@ -71,7 +74,7 @@ def validate(args, world_size: int):
         )
     if args.seq_length + 1 > model_config.max_seq:
         raise UserError(f"--seq-length {args.seq_length} exceeds the model's max_seq {model_config.max_seq}")
-    logra_config = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval)
+    logra_config = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval)
     if args.optimizer == "logra":
         logra_config.check_model(model_config)
     return model_config, layout, logra_config
@@ -81,6 +84,7 @@ def run(args) -> list:
     # megatron-core (~5 s to import) loads only after the flags were checked.
     from logra_megatron import parallel
     from logra_megatron.checkpoint import load_checkpoint
+    from logra_megatron.models.build import model_device
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.setup import build_trainable, train_step
 
@@ -89,16 +93,18 @@ def run(args) -> list:
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
     bare_model, model, optimizer = build_trainable(
         model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed,
-        recompute=args.recompute)
+        recompute=args.recompute, attention_backend=args.attention_backend)
     if args.load:
         load_checkpoint(args.load, bare_model)
 
-    # The same synthetic batch on every rank; each DP replica takes its own slice.
+    # The same synthetic batch on every rank; each DP replica takes its own slice. Drawn on the
+    # CPU on purpose: the token ids are then the same on every device kind (CPU runs and GPU runs
+    # train on one batch); the slice moves to the model's device once.
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
                            generator=generator)
     per_replica = args.global_batch_size // layout.data_parallel
-    mine = tokens[parallel.dp_rank() * per_replica : (parallel.dp_rank() + 1) * per_replica]
+    mine = tokens[parallel.dp_rank() * per_replica : (parallel.dp_rank() + 1) * per_replica].to(model_device(bare_model))
 
     rank0 = torch.distributed.get_rank() == 0
     if rank0:

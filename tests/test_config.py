@@ -37,6 +37,7 @@ def test_python_defaults_equal_cli_defaults_field_by_field():
     assert from_cli["optimizer.lr"] == 3e-4 and from_cli["kl.probe_sequences"] == 8
     assert from_cli["kl.realized_interval"] == 5 and from_cli["task.max_operand"] == 19
     assert from_cli["task.held_out_fraction"] == 0.3 and from_cli["logra.rank"] == 0.5
+    assert from_cli["logra.max_rank"] == 256
     assert from_cli["model_config.vocab"] < 256  # the tokenizer's vocabulary was applied
 
 
@@ -116,3 +117,29 @@ def test_every_section_field_has_a_documented_default():
         for item, spec in schema.options_of(cls):
             assert spec["help"], (section, item.name)
             assert item.default is not dataclasses.MISSING or item.default_factory is not dataclasses.MISSING
+
+
+def test_the_default_rank_is_half_the_dimension_at_most_256():
+    """``--logra-rank 0.5 --logra-max-rank 256``: tiny's weights (hidden 64) keep their half,
+    smollm2-135m's (576) and qwen2.5-32b's (5120) stop at 256; 0 lifts the cap; an integer rank
+    is taken as given."""
+    from logra_megatron.logra.config import DEFAULT_MAX_RANK, DEFAULT_RANK, LogRAConfig
+
+    default = LogRAConfig()
+    assert (default.rank, default.max_rank) == (DEFAULT_RANK, DEFAULT_MAX_RANK) == (0.5, 256)
+    assert [default.rank_for(dim, "w") for dim in (64, 576, 5120)] == [32, 256, 256]
+    assert LogRAConfig(max_rank=0).rank_for(5120, "w") == 2560
+    assert LogRAConfig(rank=512).rank_for(5120, "w") == 512
+    assert LogRAConfig(rank=0.25, max_rank=100).rank_for(576, "w") == 100
+    config = parse_train_args(["--logra-max-rank", "64"], world_size=1)
+    assert config.logra.max_rank == 64 and config.logra.rank == 0.5
+
+
+@pytest.mark.parametrize("entry", [
+    ["-m", "logra_megatron.train"], ["-m", "logra_megatron.smoke"], ["tools/plan_memory.py", "--preset", "tiny"],
+    ["tools/benchmark_optimizer.py"], ["tools/benchmark_step_phases.py"]])
+def test_a_negative_rank_cap_is_one_error_line_everywhere(entry):
+    proc = subprocess.run([sys.executable, *entry, "--logra-max-rank", "-1"], capture_output=True, text=True,
+                          timeout=120, env=ENV, cwd=REPO)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --logra-max-rank must be an integer >= 0 (0: no cap), got -1", proc.stderr

@@ -1,7 +1,11 @@
 """Predicted-KL step control in one process: it holds the realized KL near the target where the
 uncontrolled step overshoots (also out of sample), the forecast scales quadratically for small
 steps, the linear forecast agrees with the probe for small steps, forecasting never touches the
-weights, and --kl-max-scale lets a small step grow."""
+weights, and --kl-max-scale lets a small step grow; the budget follows --kl-target-schedule and a
+resumed controller keeps its schedule."""
+
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.models import get_preset
 from logra_megatron.training.config import KLControlConfig, OptimizerSettings
-from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
+from logra_megatron.training.kl_control import PredictedKLController, ProbeSet, scheduled_kl_target
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.setup import build_trainable
 
@@ -197,3 +201,66 @@ def test_steps_hold_the_realized_kl_to_the_budget_left_by_the_mismatch():
         assert metrics["kl_realized"] <= 1.2 * 0.6 * TARGET, spent
     assert max(m["kl_realized"] for m in plain) > 0.8 * TARGET, plain
     assert spent[0]["step_scale"] < plain[0]["step_scale"]  # the same first gradient, a smaller step
+
+
+def test_the_budget_follows_its_schedule_step_by_step():
+    """The reference implementation's setup: a cosine from 2e-4 to 2e-5 over 300 iterations, its
+    endpoints the first and the last; the other shapes at a few iterations, by hand."""
+    def budget_at(iteration, **settings):
+        controller = PredictedKLController(KLControlConfig(**settings), train_iters=300)
+        controller.set_iteration(iteration)
+        return controller.budget()
+
+    cosine = dict(target=2e-4, target_final=2e-5, target_schedule="cosine")
+    assert budget_at(0, **cosine) == pytest.approx(2e-4, rel=1e-12)
+    assert budget_at(299, **cosine) == pytest.approx(2e-5, rel=1e-12)
+    assert budget_at(450, **cosine) == pytest.approx(2e-5, rel=1e-12)  # held after the schedule
+    assert budget_at(149, **cosine) == pytest.approx(2e-5 + 0.5 * 1.8e-4 * (1 + math.cos(math.pi * 149 / 299)),
+                                                     rel=1e-12)
+    assert budget_at(149, **cosine) == pytest.approx(1.10473e-4, rel=1e-5)  # the same, computed by hand
+    # --kl-target-decay-iters instead of --train-iters: 11 iterations, the midpoint at iteration 5.
+    assert budget_at(5, target_decay_iters=11, **cosine) == pytest.approx(1.1e-4, rel=1e-12)
+    linear = dict(target=2e-4, target_final=2e-5, target_schedule="linear", target_decay_iters=5)
+    assert budget_at(3, **linear) == pytest.approx(2e-4 - 0.75 * 1.8e-4, rel=1e-12)  # 6.5e-5
+    exponential = dict(target=2e-4, target_final=2e-5, target_schedule="exponential", target_decay_iters=3)
+    assert budget_at(1, **exponential) == pytest.approx(math.sqrt(2e-4 * 2e-5), rel=1e-12)
+    assert budget_at(123, target=2e-4) == 2e-4  # constant: the default
+    # The mismatch is subtracted from the scheduled target and floored at half of it.
+    controller = PredictedKLController(KLControlConfig(subtract_mismatch=True, **cosine), train_iters=300)
+    controller.observe_mismatch(1.5e-5)
+    controller.set_iteration(299)
+    assert controller.budget() == pytest.approx(1e-5)  # max(2e-5 - 1.5e-5, 1e-5)
+    controller.set_iteration(0)
+    assert controller.budget() == pytest.approx(2e-4 - 1.5e-5)
+
+
+def test_a_resumed_controller_keeps_its_schedule_or_says_how():
+    config = KLControlConfig(target=2e-4, target_final=2e-5, target_schedule="cosine")
+    saved = PredictedKLController(config, train_iters=300).state_dict()
+    resumed = PredictedKLController(config, train_iters=300)
+    resumed.load_state_dict(saved)
+    resumed.set_iteration(77)
+    assert resumed.budget() == pytest.approx(scheduled_kl_target("cosine", 2e-4, 2e-5, 77, 300))
+    with pytest.raises(UserError, match=r"cosine 0.0002 -> 2e-05 over 300 iterations, this run's is cosine "
+                                        r"0.0002 -> 2e-05 over 400 iterations: resume with"):
+        PredictedKLController(config, train_iters=400).load_state_dict(saved)
+    # ... unless --kl-target-decay-iters keeps the checkpoint's span.
+    longer = dataclasses.replace(config, target_decay_iters=300)
+    PredictedKLController(longer, train_iters=400).load_state_dict(saved)
+    with pytest.raises(UserError, match="KL budget schedule is cosine"):
+        PredictedKLController(KLControlConfig(target=2e-4), train_iters=300).load_state_dict(saved)
+    # A constant budget may change on resume, as before (and a checkpoint without a schedule loads).
+    constant = PredictedKLController(KLControlConfig(target=0.01), train_iters=10).state_dict()
+    PredictedKLController(KLControlConfig(target=0.02), train_iters=20).load_state_dict(constant)
+    PredictedKLController(config, train_iters=300).load_state_dict({"steps": 3, "mismatch": None})
+
+
+def test_bad_schedules_are_clear():
+    with pytest.raises(UserError, match="--kl-target-final and --kl-target-decay-iters need a --kl-target-schedule"):
+        KLControlConfig(target_final=1e-3)
+    with pytest.raises(UserError, match="--kl-target-schedule cosine needs --kl-target-final"):
+        KLControlConfig(target_schedule="cosine")
+    with pytest.raises(UserError, match="--kl-target-final must be > 0"):
+        KLControlConfig(target_final=0.0, target_schedule="exponential")
+    with pytest.raises(UserError, match="--kl-target-decay-iters must be >= 1"):
+        KLControlConfig(target_final=1e-3, target_schedule="linear", target_decay_iters=0)

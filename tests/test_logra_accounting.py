@@ -65,10 +65,10 @@ def test_benchmark_prints_one_json_object_with_both_sides():
                   "projection_bytes", "controller_extra_bytes")
     for side in ("dense", "logra"):
         assert set(report[side]) == set(components) | {
-            "training_state_bytes", "peak_step_bytes", "peak_rss_bytes", "step_time_s",
+            "training_state_bytes", "peak_step_bytes", "peak_rss_untracked_bytes", "step_time_s",
             "dp_comm_bytes_per_step", "final_loss"}
         assert report[side]["training_state_bytes"] == sum(report[side][key] for key in components)
-        assert report[side]["peak_step_bytes"] > 0 and report[side]["peak_rss_bytes"] > 10_000_000
+        assert report[side]["peak_step_bytes"] > 0 and report[side]["peak_rss_untracked_bytes"] > 10_000_000
     dense, logra = report["dense"], report["logra"]
     # The dense baseline in bf16: weights 2 + grads 4 + masters 4 + moments 8 bytes per parameter.
     params = dense["weight_bytes"] // 2
@@ -81,8 +81,35 @@ def test_benchmark_prints_one_json_object_with_both_sides():
     assert report["ratio"]["dp_comm_bytes_per_step"] < 0.5
 
 
+RSS_PROBE = """
+import resource, sys, torch
+sys.path.insert(0, "tools")
+from _bench_common import run_steps
+calls = []
+def step():
+    calls.append(1)
+    if len(calls) == 3:  # only the tracked call touches 256 MiB
+        return float(torch.ones(64 * 1024 * 1024)[-1])
+    return 0.0
+*_, untracked = run_steps(step, 3)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - untracked)
+"""
+
+
+def test_the_peak_rss_figure_leaves_out_the_step_the_profiler_runs():
+    """``peak_rss_untracked_bytes`` (tools/_bench_common.py ``run_steps``) is read before the
+    tracked step: memory only that step touches is not in it (a fresh process, so no earlier
+    peak hides it)."""
+    proc = subprocess.run([sys.executable, "-c", RSS_PROBE], capture_output=True, text=True, timeout=120,
+                          env=ENV, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) > 128 * 1024 * 1024  # read after that step, it would be 0
+
+
 @pytest.mark.parametrize("args,message", [
     (["--logra-rank", "1000"], "larger than the matrix"),
+    (["--logra-max-rank", "-1"], "--logra-max-rank must be an integer >= 0"),
+    (["--logra-max-rank", "half"], "invalid int value"),
     (["--logra-refresh-interval", "0"], "must be a positive number of steps"),
     (["--preset", "nope"], "unknown model preset"),
 ])

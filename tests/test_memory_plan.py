@@ -227,6 +227,29 @@ def test_cli_search_on_8_gpus_of_80_gb_dense_does_not_fit_logra_does():
     assert logra["stages"][0]["components"]["rollout_bytes"] == kv_cache
 
 
+def test_cli_default_rank_fits_qwen_32b_on_8_gpus_of_80_gb():
+    """No --logra-rank: the default (0.5 of each dimension, at most 256) fits LoGRA, with room
+    the uncapped fraction (r = 2560) does not leave; dense Adam fits no layout."""
+    report = json.loads(_cli("--preset", "qwen2.5-32b", "--bf16", "--gpus", "8", "--gpu-memory-gib", "80",
+                             "--search", "--json").stdout)
+    assert (report["settings"]["logra"]["rank"], report["settings"]["logra"]["max_rank"]) == (0.5, 256)
+    logra = report["search"]["logra"]["best"]
+    assert logra["fits"] and logra["headroom_bytes"] > 10 * GIB and not report["search"]["adam"]["best"]["fits"]
+
+
+def test_cli_default_rank_fits_qwen_32b_on_one_141_gb_gpu_and_dense_adam_does_not():
+    """The issue's single-GPU job (bf16-sr, sketched embeddings, full recomputation) at the
+    default rank; the uncapped fraction does not fit."""
+    command = ("--preset", "qwen2.5-32b", "--bf16", "--gpus", "1", "--gpu-memory-gib", "141", "--logra-master",
+               "bf16-sr", "--logra-embeddings", "--recompute-granularity", "full", "--recompute-method", "uniform",
+               "--recompute-num-layers", "1", "--json")
+    plans = json.loads(_cli(*command).stdout)["plans"]
+    assert plans["logra"]["fits"] and plans["logra"]["headroom_bytes"] > 10 * GIB
+    assert not plans["adam"]["fits"]
+    uncapped = json.loads(_cli(*command, "--logra-max-rank", "0").stdout)["plans"]
+    assert not uncapped["logra"]["fits"]
+
+
 @pytest.mark.parametrize("args,message", [
     (("--preset", "gpt-9"), "invalid choice"),
     (("--preset", "qwen2.5-32b", "--tensor-model-parallel-size", "3"), "not divisible by tensor-parallel"),

@@ -12,6 +12,14 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_fresh_weights_are_the_same_at_every_layout(results, tp, pp):
+    for rank in range(4):
+        check = result(results, f"fresh_tp{tp}_pp{pp}", rank)
+        assert check["names_equal"], check
+        assert check["max_abs_diff"] == 0.0, check
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
 def test_loss_and_gradients_match_tp1(results, tp, pp):
     for rank in range(4):
         check = result(results, f"exact_tp{tp}_pp{pp}", rank)

@@ -25,6 +25,16 @@ COMPONENTS = _measure.COMPONENTS
 measure_components = _measure.measure_components
 
 
+def add_attention_backend(parser) -> None:
+    """``--attention-backend``, the trainer's flag (``models/config.py: ATTENTION_BACKENDS``): the
+    core attention of the benchmarked model, the same on every side of a comparison."""
+    from logra_megatron.models.config import ATTENTION_BACKENDS
+
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                        help="core attention: sdpa (torch's scaled_dot_product_attention), unfused "
+                             "(Megatron's DotProductAttention), auto (sdpa)")
+
+
 def child_env() -> dict:
     """The environment of a child run: one thread count for every row (2 unless set)."""
     return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -71,9 +81,12 @@ def run_json_child(command: list, what: str, timeout: float = None) -> dict:
 def run_steps(step, steps: int):
     """``steps`` calls of ``step()``, the last one inside an
     :class:`~logra_megatron.platform.memory.AllocationTracker`. Returns ``(first, last,
-    seconds, tracker)``: what the first and the last call returned, the median wall time of the
-    untracked calls after the first (the first allocates the optimizer's state: a warm-up; the
-    tracked one runs under the profiler), or the tracked call's time when there are none."""
+    seconds, tracker, untracked_peak)``: what the first and the last call returned, the median
+    wall time of the untracked calls after the first (the first allocates the optimizer's state:
+    a warm-up; the tracked one runs under the profiler), or the tracked call's time when there
+    are none, and :func:`peak_process_bytes` read before the tracked call: the process's peak
+    over its start, the build and the untracked calls, never over a step the profiler ran (on
+    the CPU the profiler's allocation records would count in the RSS)."""
     from logra_megatron.platform.memory import AllocationTracker
 
     times, first = [], None
@@ -84,15 +97,16 @@ def run_steps(step, steps: int):
             first = result
         else:
             times.append(time.perf_counter() - start)
+    untracked_peak = peak_process_bytes()
     with AllocationTracker() as tracked:
         last = step()
     if first is None:
         first = last
-    return first, last, statistics.median(times) if times else tracked.seconds, tracked
+    return first, last, statistics.median(times) if times else tracked.seconds, tracked, untracked_peak
 
 
 def peak_process_bytes() -> int:
-    """The device's peak allocated bytes on a GPU, else the process's peak RSS (an extra,
+    """The device's peak allocated bytes on a GPU, else the process's peak RSS so far (an extra,
     coarser figure: the runtime and allocator caches are in it)."""
     import torch
 

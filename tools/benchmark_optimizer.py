@@ -13,8 +13,10 @@ Measured on each side after the last step, from the live tensors (each storage c
 ``controller_extra_bytes`` (what the KL controller held during the step), their sum
 ``training_state_bytes``; ``peak_step_bytes``, the peak of tracked tensor allocations during the
 last step beyond what was live before it (activations, temporaries; ``torch.cuda``'s peak on a
-GPU); ``peak_rss_bytes`` (process RSS, an extra figure), ``step_time_s`` (median, untracked
-steps), ``dp_comm_bytes_per_step`` (planned) and ``final_loss``. The parent prints a table, or
+GPU); ``peak_rss_untracked_bytes`` (the process's peak RSS, an extra figure: over its start,
+the build and the untracked steps, read before the tracked step, whose profiler would add its
+own records; on a GPU ``torch.cuda``'s peak allocation up to then), ``step_time_s`` (median,
+untracked steps), ``dp_comm_bytes_per_step`` (planned) and ``final_loss``. The parent prints a table, or
 with ``--json`` one object ``{"preset", "rank", ..., "dense", "logra", "ratio"}`` where
 ``ratio`` is logra / dense of each figure.
 """
@@ -28,24 +30,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, parse_rank  # noqa: E402
+from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, add_rank_arguments, rank_settings  # noqa: E402
 from logra_megatron.models.config import get_preset  # noqa: E402
 from logra_megatron.training.config import KL_MODES  # noqa: E402
-from _bench_common import (COMPONENTS, measure_components, peak_process_bytes,  # noqa: E402
+from _bench_common import (COMPONENTS, add_attention_backend, measure_components,  # noqa: E402
                            run_json_child, run_steps)
 
-METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_bytes", "step_time_s",
+METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_untracked_bytes", "step_time_s",
                         "dp_comm_bytes_per_step", "final_loss")
 
 
 def parse_args(argv):
     parser = ArgumentParser(prog="benchmark_optimizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--logra-rank", default="0.25", help="integer rank or fraction (default 0.25)")
+    add_rank_arguments(parser)
     parser.add_argument("--logra-refresh-interval", type=int, default=10)
     parser.add_argument("--logra-master", choices=MASTER_MODES, default="fp32")
     parser.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (both sides)")
+    add_attention_backend(parser)
     parser.add_argument("--kl-control", choices=KL_MODES, default="off", help="KL control on the LoGRA side")
     parser.add_argument("--use-distributed-optimizer", action="store_true",
                         help="Megatron's distributed optimizer and LoGRA's ZeRO-1 mode on both sides")
@@ -72,7 +75,7 @@ def argparse_hidden():
 def validate(args):
     """Fail fast, in the parent, on bad input."""
     model = get_preset(args.preset)
-    logra = LogRAConfig(rank=parse_rank(args.logra_rank), refresh_interval=args.logra_refresh_interval,
+    logra = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval,
                         master=args.logra_master, embeddings=args.logra_embeddings,
                         zero1=args.use_distributed_optimizer, seed=args.seed)
     logra.check_model(model)
@@ -92,6 +95,8 @@ def run_child(args) -> dict:
     from logra_megatron.logra.accounting import state_bytes
     from logra_megatron.training.config import KLControlConfig, OptimizerSettings
     from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
+    from logra_megatron.models.build import model_device
+    from logra_megatron.platform import cuda_available
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.setup import build_trainable
 
@@ -101,12 +106,13 @@ def run_child(args) -> dict:
     model, ddp, optimizer = build_trainable(
         model_config, OptimizerSettings(kind=args.child, lr=args.lr, clip_grad=1.0,
                                         distributed=args.use_distributed_optimizer),
-        logra_config, dtype=dtype, seed=args.seed)
+        logra_config, dtype=dtype, seed=args.seed, attention_backend=args.attention_backend)
+    # Token ids drawn on the CPU on purpose (the same batch on every device kind), moved once.
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
                            generator=generator)
     per = args.global_batch_size // parallel.dp_size()
-    mine = tokens[parallel.dp_rank() * per:(parallel.dp_rank() + 1) * per]
+    mine = tokens[parallel.dp_rank() * per:(parallel.dp_rank() + 1) * per].to(model_device(model))
     mode = args.kl_control if args.child == "logra" else "off"
     controller = PredictedKLController(KLControlConfig(mode=mode, realized_interval=0))
     probe_rows = mine[:min(2, len(mine))]
@@ -120,14 +126,16 @@ def run_child(args) -> dict:
 
     # ``--steps`` untracked steps (the first, which allocates Adam's state, not timed), then one
     # more, tracked (the profiler slows it).
-    _, (loss, control), seconds, tracked = run_steps(step, args.steps + 1)
+    _, (loss, control), seconds, tracked, untracked_peak = run_steps(step, args.steps + 1)
     components = measure_components(model, ddp, optimizer, control["controller_extra_bytes"])
     planned = state_bytes(model, logra_config)["logra" if args.child == "logra" else "dense"]
     return {
         **components,
         "training_state_bytes": sum(components.values()),
         "peak_step_bytes": tracked.peak_bytes,
-        "peak_rss_bytes": peak_process_bytes(),
+        # CUDA's own high-water mark of the whole run (state + every step), beside the components.
+        "cuda_max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if cuda_available() else None,
+        "peak_rss_untracked_bytes": untracked_peak,
         "step_time_s": seconds,
         "dp_comm_bytes_per_step": planned.dp_comm_bytes_per_step,
         "final_loss": loss,
@@ -144,14 +152,17 @@ def run_parent(args) -> dict:
             [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", kind], kind)
     ratio = {key: (results["logra"][key] / results["dense"][key] if results["dense"][key] else None)
              for key in METRICS}
-    settings = {"preset": args.preset, "rank": args.logra_rank, "steps": args.steps, "bf16": args.bf16,
+    settings = {"preset": args.preset, "rank": args.logra_rank, "max_rank": args.logra_max_rank,
+                "steps": args.steps, "bf16": args.bf16,
+                "attention_backend": args.attention_backend,
                 "kl_control": args.kl_control, "logra_embeddings": args.logra_embeddings,
                 "logra_master": args.logra_master, "use_distributed_optimizer": args.use_distributed_optimizer}
     return {**settings, "dense": results["dense"], "logra": results["logra"], "ratio": ratio}
 
 
 def print_table(report):
-    print(f"preset {report['preset']}  logra rank {report['rank']}  steps {report['steps']}  "
+    print(f"preset {report['preset']}  logra rank {report['rank']} (at most {report['max_rank']})  "
+          f"steps {report['steps']}  "
           f"{'bf16' if report['bf16'] else 'fp32'}  kl-control {report['kl_control']}  "
           f"master {report['logra_master']}  embeddings {'sketched' if report['logra_embeddings'] else 'dense'}")
     print(f"{'metric':<26}{'dense adam':>16}{'logra':>16}{'logra/dense':>14}")

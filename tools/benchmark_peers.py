@@ -32,8 +32,8 @@ Figures per row, measured after the last step (storages counted once): ``weight_
 GaLore's and APOLLO's projectors), their sum ``training_state_bytes``; ``peak_step_bytes`` (the
 peak of tracked allocations during the last step beyond what was live before it; the plain loops
 keep their ``.grad`` tensors between steps, as Megatron keeps its grad buffers, so gradients are
-state, not step peak, in every row); ``state_plus_peak_bytes``; ``peak_rss_bytes`` (process,
-coarse); ``step_time_s`` (median of the untracked steps after the first); ``first_loss`` (the
+state, not step peak, in every row); ``state_plus_peak_bytes``; ``peak_rss_untracked_bytes``
+(process, coarse; read before the tracked step, whose profiler adds its own records); ``step_time_s`` (median of the untracked steps after the first); ``first_loss`` (the
 first step's batch), ``final_loss`` (the last step's batch), ``initial_eval_loss`` and
 ``eval_loss`` (a held-out batch before and after training). The batches are 2-digit arithmetic
 text (``rl/tasks/arithmetic.py``) in the embedded character-level tokenizer, a new batch every step.
@@ -56,10 +56,10 @@ from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.logra.config import MASTER_MODES, LogRAConfig  # noqa: E402
 from logra_megatron.models.config import get_preset  # noqa: E402
 from _bench_common import (COMPONENTS, measure_components, measure_torch_optimizer,  # noqa: E402
-                           peak_process_bytes, run_json_child, run_steps, torchrun_command)
+                           run_json_child, run_steps, torchrun_command)
 
-METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "state_plus_peak_bytes", "peak_rss_bytes",
-                        "step_time_s", "first_loss", "final_loss", "initial_eval_loss", "eval_loss")
+METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "state_plus_peak_bytes",
+                        "peak_rss_untracked_bytes", "step_time_s", "first_loss", "final_loss", "initial_eval_loss", "eval_loss")
 LOSS_TOLERANCE = 1e-5
 """Relative spread allowed between rows' first losses (same weights and batch; the DP=2 row
 averages two microbatch losses over ranks instead of in one process)."""
@@ -377,7 +377,7 @@ def run_child(args) -> dict:
     def step():
         return step_on(train[next(batch_index)])
 
-    first, last, seconds, tracked = run_steps(step, args.steps)
+    first, last, seconds, tracked, untracked_peak = run_steps(step, args.steps)
     components = measure()  # after the last step, before the next one clears anything
     final_eval = lm_forward_backward(runner, held_out, args.micro_batch_size, forward_only=True)
     state = sum(components.values())
@@ -386,7 +386,7 @@ def run_child(args) -> dict:
         "training_state_bytes": state,
         "peak_step_bytes": tracked.peak_bytes,
         "state_plus_peak_bytes": state + tracked.peak_bytes,
-        "peak_rss_bytes": peak_process_bytes(),
+        "peak_rss_untracked_bytes": untracked_peak,
         "step_time_s": seconds,
         "first_loss": first,
         "final_loss": last,

@@ -6,6 +6,16 @@ from typing import Union
 from logra_megatron.errors import UserError
 from logra_megatron.schema import option
 
+# The default rank: half of each weight's projected dimension, at most 256. Chosen with the memory
+# planner (README, "LoGRA: the optimizer"): the fraction alone gives r = 2560 on qwen2.5-32b, where
+# LoGRA then fits no layout of 8 x 80 GB; capped at 256 it fits there, and alone on one 141 GB GPU
+# (bf16-sr); at 512 mistral-small-24b no longer fits one 80 GB GPU. The models whose learning was
+# measured keep (tiny: 32) or nearly keep (smollm2-135m: 288 -> 256) their fractional ranks. The
+# trainer, the planner, the smoke job and the benchmarks all take these two constants.
+DEFAULT_RANK = 0.5
+"""``--logra-rank``'s default (a fraction of the projected dimension)."""
+DEFAULT_MAX_RANK = 256
+"""``--logra-max-rank``'s default: the cap on a fractional rank."""
 MOMENT_POLICIES = ("rotate", "reset")
 MASTER_MODES = ("fp32", "bf16-sr", "none")
 UPDATE_RULE_NAMES = ("adam", "rowadam")
@@ -29,9 +39,15 @@ class LogRAConfig:
         help="rowadam: the update of all sketched weights together has norm this x their norm at the peak "
              "--lr (the reference's 6e-5), scaled by the lr schedule (lr / --lr) and then by the KL controller")
     rank: Union[int, float] = option(
-        0.5, flag="--logra-rank", parse=lambda text: parse_rank(text),
+        DEFAULT_RANK, flag="--logra-rank", parse=lambda text: parse_rank(text),
         help="sketch rank r per weight: an integer, or a fraction in (0, 1] of the projected "
-             "dimension (the in-features of a column-parallel weight, the out-features of a row-parallel one)")
+             "dimension (the in-features of a column-parallel weight, the out-features of a row-parallel one), "
+             "at most --logra-max-rank")
+    max_rank: int = option(
+        DEFAULT_MAX_RANK, flag="--logra-max-rank",
+        help="the largest rank a fractional --logra-rank gives a weight (0: no cap); an integer "
+             "--logra-rank is used as given. The default keeps a 32B model's sketches, moments and "
+             "projections within one GPU's memory (README)")
     refresh_interval: int = option(
         10, flag="--logra-refresh-interval",
         help="refresh every projection every K optimizer steps with a randomized range finder computed "
@@ -80,6 +96,8 @@ class LogRAConfig:
             raise UserError(f"--logra-rank must be >= 1, got {self.rank}")
         if isinstance(self.rank, float) and not 0.0 < self.rank <= 1.0:
             raise UserError(f"--logra-rank as a fraction must be in (0, 1], got {self.rank}")
+        if isinstance(self.max_rank, bool) or not isinstance(self.max_rank, int) or self.max_rank < 0:
+            raise UserError(f"--logra-max-rank must be an integer >= 0 (0: no cap), got {self.max_rank!r}")
         if self.refresh_interval < 1:
             raise UserError(f"--logra-refresh-interval must be a positive number of steps, got {self.refresh_interval}")
         if self.oversampling < 0:
@@ -102,9 +120,11 @@ class LogRAConfig:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
 
     def rank_for(self, projected_dim: int, weight_name: str) -> int:
-        """The rank used for a weight whose projected side has ``projected_dim`` rows."""
+        """The rank used for a weight whose projected side has ``projected_dim`` rows: an
+        integer rank as given, a fraction of ``projected_dim`` capped at ``max_rank``."""
         if isinstance(self.rank, float):
-            return max(1, round(self.rank * projected_dim))
+            rank = max(1, round(self.rank * projected_dim))
+            return min(rank, self.max_rank) if self.max_rank else rank
         if self.rank > projected_dim:
             raise UserError(
                 f"--logra-rank {self.rank} is larger than the matrix: {weight_name} projects a "
@@ -137,3 +157,20 @@ def parse_rank(text) -> Union[int, float]:
         return float(text)
     except ValueError:
         raise UserError(f"--logra-rank must be an integer or a fraction, got {text!r}") from None
+
+
+def add_rank_arguments(parser) -> None:
+    """``--logra-rank`` and ``--logra-max-rank`` with the trainer's defaults, for the tools and
+    jobs that declare their flags with argparse (the planner, the smoke job, the benchmarks);
+    :func:`rank_settings` reads them back."""
+    parser.add_argument("--logra-rank", default=str(DEFAULT_RANK), metavar="RANK",
+                        help=f"LoGRA sketch rank per weight: an integer, or a fraction in (0, 1] of its projected "
+                             f"dimension capped at --logra-max-rank (default {DEFAULT_RANK}, the trainer's)")
+    parser.add_argument("--logra-max-rank", type=int, default=DEFAULT_MAX_RANK, metavar="MAX_RANK",
+                        help=f"the largest rank a fractional --logra-rank gives a weight; 0: no cap "
+                             f"(default {DEFAULT_MAX_RANK}, the trainer's)")
+
+
+def rank_settings(args) -> dict:
+    """``rank`` and ``max_rank`` for :class:`LogRAConfig` from :func:`add_rank_arguments`' flags."""
+    return {"rank": parse_rank(args.logra_rank), "max_rank": args.logra_max_rank}

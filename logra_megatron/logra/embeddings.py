@@ -101,7 +101,7 @@ def sketch_embeddings(model, vocab_size: int) -> None:
             output._init_sketching()
         else:
             output.logra_sketch = None
-            output.logra_anchor = torch.empty(0, requires_grad=True)
+            output.logra_anchor = torch.empty(0, device=next(model.parameters()).device, requires_grad=True)
 
 
 def shares_the_embedding(model) -> bool:

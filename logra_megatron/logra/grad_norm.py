@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 
 from logra_megatron import parallel
 from logra_megatron.logra.sketch import RIGHT
+from logra_megatron.ops.norms import squared_norm
 from logra_megatron.seeding import name_seed, seeded_gaussian
 
 SEED_STREAM = 1_000_003
@@ -43,7 +44,8 @@ class GradNormEstimator:
         for entry in buffer.weights:
             sketch = entry.sketch
             shapes.append((sketch.out_features, probes) if sketch.side == RIGHT else (probes, sketch.in_features))
-        self.flat = torch.zeros(sum(math.prod(shape) for shape in shapes))
+        device = buffer.flat.device
+        self.flat = torch.zeros(sum(math.prod(shape) for shape in shapes), device=device)
         self._views = []
         offset = 0
         for shape in shapes:
@@ -58,7 +60,8 @@ class GradNormEstimator:
             sketch = entry.sketch
             projection = sketch.projection
             omega = seeded_gaussian(projection.shape[0], self.probes,
-                                    name_seed(self.seed, entry.name, SEED_STREAM + step_count))
+                                    name_seed(self.seed, entry.name, SEED_STREAM + step_count),
+                                    device=projection.device)
             sketch.norm_probe = omega - projection @ (projection.t() @ omega)
             sketch.norm_sample = sample
 
@@ -72,11 +75,11 @@ class GradNormEstimator:
         if parallel.dp_size() > 1:
             dist.all_reduce(self.flat, group=parallel.dp_group())
             self.flat.div_(parallel.dp_size())
-        total = float(self.flat.double().pow(2).sum())
+        total = squared_norm(self.flat)
         for entry, sample in zip(self.buffer.weights, self._views):
             if entry.pipeline_copy:  # a tied embedding's copy on the last stage: counted once
-                total -= float(sample.double().pow(2).sum())
-        squared = torch.tensor([total / self.probes], dtype=torch.float64)
+                total -= squared_norm(sample)
+        squared = (total / self.probes).reshape(1)
         dist.all_reduce(squared, group=parallel_state.get_model_parallel_group())
         return float(squared)
 

@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from logra_megatron.logra.sketch import LEFT, RIGHT, sketched_linear
+from logra_megatron.models.build import with_attention_backend
 
 
 class _SketchingMixin:
@@ -27,7 +28,7 @@ class _SketchingMixin:
         self.weight.logra_side = self.sketch_side
         # Read by the backward; attached by the SketchBuffer (None: no weight gradient at all).
         self.logra_sketch = None
-        self.logra_anchor = torch.empty(0, requires_grad=True)
+        self.logra_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
 
     def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, **_):
         if not torch.is_grad_enabled():
@@ -61,10 +62,12 @@ class SketchingRowParallelLinear(_SketchingMixin, RowParallelLinear):
         self._init_sketching()
 
 
-def logra_layer_spec(base_spec=None):
+def logra_layer_spec(base_spec=None, attention_backend: str = "auto"):
     """The GPT layer spec with linear_qkv, linear_proj, linear_fc1 and linear_fc2 replaced by
-    sketching linears. ``base_spec`` defaults to the local megatron-core spec with RMSNorm."""
+    sketching linears and the core attention of ``attention_backend`` (``--attention-backend``).
+    ``base_spec`` defaults to the local megatron-core spec with RMSNorm."""
     spec = copy.deepcopy(base_spec if base_spec is not None else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    with_attention_backend(spec, attention_backend)
     attention = spec.submodules.self_attention.submodules
     mlp = spec.submodules.mlp.submodules
     for holder, slot, cls in ((attention, "linear_qkv", SketchingColumnParallelLinear),

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from logra_megatron import parallel
 from logra_megatron.logra.config import MASTER_MODES
 from logra_megatron.models.weights import global_indices
+from logra_megatron.ops.budgets import SR_BLOCK_ELEMENTS
 from logra_megatron.ops.rounding import stochastic_round_to_bf16
 from logra_megatron.seeding import name_seed
 
-SR_BLOCK_DIVISOR = 8
 SEED_STREAM = 7_919
 """Offset of the rounding seeds' counter, apart from the projections' and test matrices'."""
 
@@ -87,10 +87,12 @@ class MasterWeights:
             self.masters[entry.name] = entry.weight[start:stop].detach().float().clone()
 
     def block_rows(self, entry) -> int:
-        """Rows per block: a block holds at most as many elements as the weight's sketch (an
-        eighth of that with stochastic rounding, whose integer temporaries take 8 bytes per
-        element each), so a block's temporaries stay within a few sketches' bytes."""
-        elements = entry.numel // (SR_BLOCK_DIVISOR if self.mode == "bf16-sr" else 1)
+        """Rows per block: a block holds at most as many elements as the weight's sketch, so
+        its fp32 temporary stays within a sketch's bytes; with stochastic rounding, whose int64
+        temporaries take 8 bytes per element each, at most ``SR_BLOCK_ELEMENTS`` (a fixed budget:
+        blocks of a sketch's eighth made a commit of thousands of tiny blocks, each a few dozen
+        tensor ops, and took half of a CPU step on smollm2-135m)."""
+        elements = SR_BLOCK_ELEMENTS if self.mode == "bf16-sr" else entry.numel
         return max(1, elements // entry.weight.shape[1])
 
     @torch.no_grad()
@@ -124,19 +126,21 @@ class MasterWeights:
         if self.mode == "none":
             weight[rows].copy_(values)
             return
-        row_index, col_index, full_cols = self._element_indices(entry)
-        index = row_index[rows, None] * full_cols + col_index[None, :]
+        row_index, col_index, full_cols, full_rows = self._element_indices(entry)
+        index = (row_index[rows] * full_cols).unsqueeze(1) + col_index
         seed = name_seed(self.seed, entry.name, SEED_STREAM + step_count)
-        weight[rows].copy_(stochastic_round_to_bf16(values, index, seed))
+        weight[rows].copy_(stochastic_round_to_bf16(values, index, seed, index_limit=full_rows * full_cols))
 
     def _element_indices(self, entry) -> tuple:
-        """Full-tensor row and column indices of this shard's elements (cached)."""
+        """Full-tensor row and column indices of this shard's elements, and the full tensor's
+        column and row counts (cached)."""
         if entry.name not in self._indices:
             weight = entry.weight
             cols = global_indices(weight, entry.name, 1)
-            split_cols = getattr(weight, "tensor_model_parallel", False) and weight.partition_dim == 1
-            full_cols = weight.shape[1] * (parallel.tp_size() if split_cols else 1)
-            self._indices[entry.name] = (global_indices(weight, entry.name, 0), cols, full_cols)
+            split = getattr(weight, "tensor_model_parallel", False)
+            full_cols = weight.shape[1] * (parallel.tp_size() if split and weight.partition_dim == 1 else 1)
+            full_rows = weight.shape[0] * (parallel.tp_size() if split and weight.partition_dim == 0 else 1)
+            self._indices[entry.name] = (global_indices(weight, entry.name, 0), cols, full_cols, full_rows)
         return self._indices[entry.name]
 
     def _broadcast_rows(self, entry) -> None:
@@ -156,7 +160,7 @@ class MasterWeights:
         master = self.masters[entry.name]
         if not self.sharded:
             return master
-        full = torch.empty(entry.weight.shape, dtype=torch.float32)
+        full = torch.empty(entry.weight.shape, dtype=torch.float32, device=master.device)
         group = parallel.dp_group()
         for owner, (start, stop) in enumerate(row_ranges(entry.weight.shape[0], parallel.dp_size())):
             if owner == parallel.dp_rank():
@@ -168,4 +172,5 @@ class MasterWeights:
     @torch.no_grad()
     def load_full_master(self, entry, full: torch.Tensor) -> None:
         start, stop = self.rows[entry.name]
-        self.masters[entry.name] = full[start:stop].float().contiguous().clone()
+        self.masters[entry.name] = full[start:stop].to(device=entry.weight.device, dtype=torch.float32,
+                                                       copy=True).contiguous()

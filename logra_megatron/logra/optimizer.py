@@ -55,6 +55,7 @@ from logra_megatron.logra.sketch_buffer import LINE, SketchBuffer
 from logra_megatron.logra.update_rules import UPDATE_RULES
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.weights import gather_full
+from logra_megatron.platform.phases import phase
 
 
 class DenseRemainder(Protocol):
@@ -194,9 +195,11 @@ class LogRAOptimizer:
         finder, for the coming backward."""
         self.dense.zero_grad(set_to_none)
         self.sketch_buffer.zero_()
-        self.refresh.arm(self.step_count)
+        with phase("range_finder_arm"):
+            self.refresh.arm(self.step_count)
         if self.norm_estimator is not None:
-            self.norm_estimator.arm(self.step_count)
+            with phase("norm_probe_draw"):
+                self.norm_estimator.arm(self.step_count)
 
     @torch.no_grad()
     def step(self):
@@ -214,17 +217,19 @@ class LogRAOptimizer:
         on an inf/NaN gradient (dense or sketched, agreed by every rank) nothing advances and
         ``success`` is False."""
         refresh = self.is_refresh_step()
-        self.sketch_buffer.reduce_tied()
-        if refresh:
-            self.refresh.reduce_samples()
-        grads = self.sketch_buffer.reduce()
-        found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads) or self.dense.grads_not_finite()
-        if found_inf:
-            self.proposal = None
-            return False, None, None
-        dense_sq = self.dense.grad_norm() ** 2
-        sketch_sq = self.sketch_buffer.squared_norm(grads)
-        residual_sq = self.norm_estimator.residual_squared_norm() if self.norm_estimator else 0.0
+        with phase("sketch_reduce"):
+            self.sketch_buffer.reduce_tied()
+            if refresh:
+                self.refresh.reduce_samples()
+            grads = self.sketch_buffer.reduce()
+        with phase("grad_norm"):
+            found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads) or self.dense.grads_not_finite()
+            if found_inf:
+                self.proposal = None
+                return False, None, None
+            dense_sq = self.dense.grad_norm() ** 2
+            sketch_sq = self.sketch_buffer.squared_norm(grads)
+            residual_sq = self.norm_estimator.residual_squared_norm() if self.norm_estimator else 0.0
         if not math.isfinite(residual_sq):
             self.proposal = None
             return False, None, None
@@ -236,16 +241,19 @@ class LogRAOptimizer:
             coefficient = clip / (grad_norm + 1e-6)
             if coefficient < 1.0:
                 grads.mul_(coefficient)
-        success = self.dense.propose_with_ready_grads() if undoable else self.dense.step_with_ready_grads()
+        with phase("dense_step"):
+            success = self.dense.propose_with_ready_grads() if undoable else self.dense.step_with_ready_grads()
         lr, weight_decay = self.sketch_group["lr"], self.sketch_group["weight_decay"]
-        update = self.sketch_buffer.full(self.update_rule.update(grads, lr, weight_decay, self.step_count + 1))
-        if update is grads or update.data_ptr() == self.sketch_buffer.flat.data_ptr():
-            update = update.clone()  # the sketch buffer is cleared before the next backward
+        with phase("update_rule"):
+            update = self.sketch_buffer.full(self.update_rule.update(grads, lr, weight_decay, self.step_count + 1))
+            if update is grads or update.data_ptr() == self.sketch_buffer.flat.data_ptr():
+                update = update.clone()  # the sketch buffer is cleared before the next backward
         self.proposal = Proposal(update, lr, weight_decay, refresh)
         return success, grad_norm, None
 
     def _sketch_not_finite(self, grads: torch.Tensor) -> bool:
-        flag = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0])
+        # Computed and reduced on the sketches' device (NCCL reduces no CPU tensor); one host sync.
+        flag = (~torch.isfinite(grads).all()).to(torch.float32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
         if self.sketch_buffer.sliced:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.dp_group())
@@ -266,12 +274,15 @@ class LogRAOptimizer:
         proposal = self.proposal
         for entry in self.sketch_buffer.weights:
             entry.sketch.preview = None
-        self.masters.apply(proposal.update, scale * proposal.lr, proposal.weight_decay, self.step_count)
-        if self.commit_log is not None:
-            self.commit_log.record(Commit(proposal.update, scale * proposal.lr, proposal.weight_decay, proposal.refresh))
-        self.dense.commit(scale)
+        with phase("commit"):
+            self.masters.apply(proposal.update, scale * proposal.lr, proposal.weight_decay, self.step_count)
+            if self.commit_log is not None:
+                self.commit_log.record(Commit(proposal.update, scale * proposal.lr, proposal.weight_decay,
+                                              proposal.refresh))
+            self.dense.commit(scale)
         if proposal.refresh:
-            self.refresh.refresh(self.update_rule)
+            with phase("range_finder"):
+                self.refresh.refresh(self.update_rule)
         self.proposal = None
         self.step_count += 1
 
@@ -427,11 +438,13 @@ class LogRAOptimizer:
         self.dense.load_state_dict(state["dense"])
         tensors = state["logra_tensors"]
         names = self.update_rule.state_names
-        full = {name: torch.zeros(self._rule_numel()) for name in names}
+        device = self.sketch_buffer.flat.device
+        full = {name: torch.zeros(self._rule_numel(), device=device) for name in names}
         for entry in self.sketch_buffer.weights:
             for name in names:
                 self._rule_view(entry, full[name]).copy_(self._loaded(tensors, entry, name))
-            entry.sketch.projection = tensors[f"{entry.name}.projection"].float().contiguous().clone()
+            entry.sketch.projection = tensors[f"{entry.name}.projection"].to(device=device, dtype=torch.float32,
+                                                                              copy=True).contiguous()
             if self.masters.mode == "fp32":
                 self.masters.load_full_master(entry, self._loaded(tensors, entry, "master"))
         for name, tensor in self.update_rule.state().items():
@@ -453,7 +466,7 @@ class LogRAOptimizer:
             full = tensors[f"{entry.name}.{name}"]
             local = entry.shape[0] if name != "master" else entry.weight.shape[0]
             start = parallel.tp_rank() * local
-            block = torch.zeros((local,) + tuple(full.shape[1:]), dtype=full.dtype)
+            block = full.new_zeros((local,) + tuple(full.shape[1:]))
             rows = full[start:start + local]
             block[:rows.shape[0]] = rows
             return block

@@ -13,11 +13,13 @@ import torch
 from logra_megatron.seeding import seeded_gaussian
 
 
-def random_orthonormal(dim: int, rank: int, seed: int) -> torch.Tensor:
-    """A ``dim x rank`` matrix with orthonormal columns, reproducible from ``seed``."""
-    q, r = torch.linalg.qr(seeded_gaussian(dim, rank, seed).double())
+def random_orthonormal(dim: int, rank: int, seed: int, device=None) -> torch.Tensor:
+    """A ``dim x rank`` matrix with orthonormal columns on ``device``, reproducible from
+    ``seed`` (on one device kind)."""
+    q, r = torch.linalg.qr(seeded_gaussian(dim, rank, seed, device=device).double())
     # Fix QR's sign ambiguity so the result is a function of the seed alone.
-    q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
+    diagonal = torch.diagonal(r)
+    q = q * torch.sign(diagonal).where(diagonal != 0, torch.ones_like(diagonal))
     return q.float().contiguous()
 
 
@@ -31,11 +33,11 @@ def range_finder_basis(sample: torch.Tensor, rank: int) -> torch.Tensor:
     u, _, _ = torch.linalg.svd(sample.double(), full_matrices=False)
     u = u[:, :rank]
     index = u.abs().argmax(dim=0)
-    signs = torch.sign(u[index, torch.arange(u.shape[1])])
+    signs = torch.sign(u[index, torch.arange(u.shape[1], device=u.device)])
     return (u * signs).float().contiguous()
 
 
-def rademacher(dim: int, rank: int, seed: int) -> torch.Tensor:
+def rademacher(dim: int, rank: int, seed: int, device=None) -> torch.Tensor:
     """A ``dim x rank`` matrix of independent signs / sqrt(rank), reproducible from ``seed``.
 
     Not orthonormal, but ``E[Q Q^T] = I``: a sketch ``G Q`` mapped back as ``(G Q) Q^T`` is an
@@ -43,6 +45,6 @@ def rademacher(dim: int, rank: int, seed: int) -> torch.Tensor:
     The draw depends on the seed and the shape only, so every rank that shares the projection
     (the whole projected dimension is never split) builds the same one at any layout.
     """
-    generator = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (dim, rank), generator=generator, dtype=torch.int8)
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+    signs = torch.randint(0, 2, (dim, rank), generator=generator, dtype=torch.int8, device=device)
     return (signs.float() * 2.0 - 1.0).div_(math.sqrt(rank)).contiguous()

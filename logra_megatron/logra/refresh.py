@@ -51,7 +51,7 @@ class RangeFinderRefresh:
             if refresh:
                 sketch.test_matrix = self._test_matrix(entry)
                 rows = sketch.in_features if sketch.side == RIGHT else sketch.out_features
-                sketch.range_sample = torch.zeros(rows, sketch.test_matrix.shape[1])
+                sketch.range_sample = sketch.test_matrix.new_zeros(rows, sketch.test_matrix.shape[1])
             else:
                 sketch.test_matrix = sketch.range_sample = None
 
@@ -65,9 +65,11 @@ class RangeFinderRefresh:
         weight = entry.weight
         if sketch.side == RIGHT:  # Omega spans the (TP-split) output rows
             full_rows = sketch.out_features * (parallel.tp_size() if weight.tensor_model_parallel else 1)
-            return shard_of(seeded_gaussian(full_rows, columns, seed), weight, entry.name).contiguous()
+            omega = seeded_gaussian(full_rows, columns, seed, device=weight.device)
+            return shard_of(omega, weight, entry.name).contiguous()
         full_rows = sketch.in_features * (parallel.tp_size() if weight.tensor_model_parallel else 1)
-        return shard_of(seeded_gaussian(full_rows, columns, seed).t(), weight, entry.name).t().contiguous()
+        omega = seeded_gaussian(full_rows, columns, seed, device=weight.device)
+        return shard_of(omega.t(), weight, entry.name).t().contiguous()
 
     def reduce_samples(self) -> None:
         """After the backward of a refresh step: sum each range sample over TP (each rank saw
@@ -125,7 +127,7 @@ class RademacherRedraw:
             sketch = entry.sketch
             projected = sketch.in_features if sketch.side == RIGHT else sketch.out_features
             seed = name_seed(self.logra.seed, entry.name, REDRAW_STREAM + self.refreshes_done)
-            sketch.projection = rademacher(projected, sketch.rank, seed)
+            sketch.projection = rademacher(projected, sketch.rank, seed, device=entry.weight.device)
             sketch.test_matrix = sketch.range_sample = None
 
     def reduce_samples(self) -> None:

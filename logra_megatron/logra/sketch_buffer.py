@@ -27,6 +27,7 @@ from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
+from logra_megatron.ops.norms import squared_norm
 from logra_megatron.seeding import name_seed
 
 
@@ -108,16 +109,17 @@ class SketchBuffer:
         if not entries:
             raise ValueError("the model has no sketching linears: build it with logra_layer_spec()")
         padded = -(-total // self.dp) * self.dp if self.zero1 else total
-        self.flat = torch.zeros(padded, dtype=torch.float32)
+        device = next(model.parameters()).device  # every piece of LoGRA's state lives with the model
+        self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
         self.weights: List[SketchedWeight] = []
         line_offset = 0
         for name, local_name, module, side, out_f, in_f, projected, rank, offset in entries:
             if logra_config.identity_projection:
                 if rank != projected:
                     raise ValueError(f"identity projection needs full rank ({projected}) for {name}")
-                projection = torch.eye(projected)
+                projection = torch.eye(projected, device=device)
             else:
-                projection = random_orthonormal(projected, rank, name_seed(logra_config.seed, name))
+                projection = random_orthonormal(projected, rank, name_seed(logra_config.seed, name), device=device)
             shape = LinearSketch.sketch_shape(side, out_f, in_f, rank)
             view = self.flat[offset : offset + math.prod(shape)].view(shape)
             sketch = LinearSketch(name, side, out_f, in_f, projection, view)
@@ -155,7 +157,7 @@ class SketchBuffer:
         if self.dp == 1:
             return self.flat if not self.zero1 else self.flat.clone()
         if self.zero1:
-            shard = torch.empty(self.flat.numel() // self.dp)
+            shard = self.flat.new_empty(self.flat.numel() // self.dp)
             dist.reduce_scatter_tensor(shard, self.flat, group=parallel.dp_group())
             return shard.div_(self.dp)
         dist.all_reduce(self.flat, group=parallel.dp_group())
@@ -181,12 +183,12 @@ class SketchBuffer:
         """Squared norm of the whole model's reduced sketch gradient, from this rank's
         ``grads`` (what :meth:`reduce` returned): summed over the model-parallel group, and
         over DP slices in ZeRO-1 mode; a tied embedding's pipeline copy is counted once."""
-        squared = float(grads.double().pow(2).sum())
+        squared = squared_norm(grads)
         for entry in self.weights:
             part = self.local_part(entry, grads) if entry.pipeline_copy else None
             if part is not None:
-                squared -= float(part.double().pow(2).sum())
-        sketch_sq = torch.tensor([squared], dtype=torch.float64)
+                squared -= squared_norm(part)
+        sketch_sq = squared.reshape(1)
         dist.all_reduce(sketch_sq, group=parallel_state.get_model_parallel_group())
         if self.sliced:
             dist.all_reduce(sketch_sq, group=parallel.dp_group())
@@ -197,7 +199,7 @@ class SketchBuffer:
         mode; otherwise ``local`` itself, not a copy)."""
         if not self.sliced:
             return local
-        gathered = torch.empty(self.flat.numel())
+        gathered = self.flat.new_empty(self.flat.numel())
         dist.all_gather_into_tensor(gathered, local, group=parallel.dp_group())
         return gathered
 

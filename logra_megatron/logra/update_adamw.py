@@ -38,8 +38,8 @@ class SketchAdamW:
         self.beta2 = optimizer_config.adam_beta2
         self.eps = optimizer_config.adam_eps
         self.second_moment = logra_config.second_moment
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32)
+        self.exp_avg = buffer.flat.new_zeros(numel, dtype=torch.float32)
+        self.exp_avg_sq = buffer.flat.new_zeros(numel, dtype=torch.float32)
         self.second_moment_steps = 0
 
     def update(self, grad: torch.Tensor, lr: float, weight_decay: float, step: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ class RowAdam:
         self.eps = optimizer_config.adam_eps
         self.peak_lr = optimizer_config.lr
         self.relative_step = logra_config.rowadam_step
-        self.line_exp_avg_sq = torch.zeros(buffer.line_numel, dtype=torch.float32)
+        self.line_exp_avg_sq = buffer.flat.new_zeros(buffer.line_numel, dtype=torch.float32)
 
     @torch.no_grad()
     def update(self, grad: torch.Tensor, lr: float, weight_decay: float, step: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ class RowAdam:
         weights = self.buffer.weights
         update = torch.empty_like(grad)
         # Per weight, this rank's part of ||S||^2, ||D||^2, ||dW(D)||^2 and ||W||^2.
-        stats = torch.zeros(len(weights), 4, dtype=torch.float64)
+        stats = torch.zeros(len(weights), 4, dtype=torch.float64, device=grad.device)
         bias_correction = 1.0 - BETA2**step
         for index, entry in enumerate(weights):
             sketch, out = entry.view(grad), entry.view(update)
@@ -90,8 +90,9 @@ class RowAdam:
             stats[index, 3] = _weight_squared_norm(entry)
         if parallel.tp_size() > 1:  # every sketched weight is split over TP
             dist.all_reduce(stats, group=parallel.tp_group())
-        to_sketch_norm = torch.where(stats[:, 1] > 0, (stats[:, 0] / stats[:, 1]).sqrt(), torch.zeros(()))
-        counted = torch.tensor([not entry.pipeline_copy for entry in weights], dtype=torch.float64)
+        to_sketch_norm = torch.where(stats[:, 1] > 0, (stats[:, 0] / stats[:, 1]).sqrt(), stats.new_zeros(()))
+        counted = torch.tensor([not entry.pipeline_copy for entry in weights], dtype=torch.float64,
+                               device=grad.device)
         totals = torch.stack([(counted * to_sketch_norm.square() * stats[:, 2]).sum(), (counted * stats[:, 3]).sum()])
         if parallel.pp_size() > 1:
             dist.all_reduce(totals, group=parallel.pp_group())
@@ -138,7 +139,7 @@ def _weight_squared_norm(entry) -> torch.Tensor:
     if entry.vocab_rows is not None:
         rows = int((global_indices(weight, entry.name, 0) < entry.vocab_rows).sum())  # a prefix of the block
     block = max(1, entry.numel // max(1, weight.shape[1]))
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=weight.device)
     for first in range(0, rows, block):
         total += weight[first:min(first + block, rows)].double().square().sum()
     return total

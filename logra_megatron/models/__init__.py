@@ -2,6 +2,7 @@
 
 - ``config.py``     ModelConfig and the presets (plain data: no megatron-core import)
 - ``build.py``      ModelConfig -> TransformerConfig + layer spec -> GPTModel
+- ``sdpa_attention.py``  the layer spec's core attention on torch's scaled_dot_product_attention
 - ``positions.py``  left-padding masks and per-row rotary positions
 - ``weights.py``    full TP=1 tensors <-> this rank's TP/PP shards; layout-independent init
 """
@@ -13,7 +14,7 @@ import importlib
 _EXPORTS = {
     "PRESETS": "config", "ModelConfig": "config", "get_preset": "config",
     "build_gpt_model": "build", "causal_attention_mask": "build", "gpt_layer_spec": "build",
-    "position_ids_for": "build", "transformer_config": "build", "transformer_engine_available": "build",
+    "model_device": "build", "position_ids_for": "build", "transformer_config": "build", "transformer_engine_available": "build",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -2,7 +2,9 @@
 
 The layer spec is Megatron's seam between how a layer is wired and which implementation fills
 each slot: the local (pure megatron-core) spec by default, Transformer Engine's when it imports
-on a CUDA machine. LoGRA swaps its sketching linears in through this same spec.
+on a CUDA machine. ``--attention-backend`` fills its ``core_attention`` slot (torch's SDPA, or
+Megatron's unfused ``DotProductAttention``); LoGRA swaps its sketching linears in through this
+same spec.
 """
 
 from typing import Optional
@@ -16,10 +18,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_attr_wrapped_model
 
-from logra_megatron.models.config import ModelConfig
-from logra_megatron.platform import cuda_available
+from logra_megatron.models.config import ModelConfig, resolve_attention_backend
+from logra_megatron.models.sdpa_attention import SDPAttention
+from logra_megatron.platform import cuda_available, default_device
 
 
 def transformer_engine_available() -> bool:
@@ -49,8 +53,11 @@ def transformer_config(
     activation); ``training/config.py: RecomputeConfig`` validates them and supplies them.
 
     Fusions that need CUDA kernels are off; dropout is off (RL fine-tuning does not use it and it
-    keeps runs deterministic). ``use_cpu_initialization`` makes the initial weights independent
-    of the TP layout: the full matrix is drawn from one seeded generator and then split.
+    keeps runs deterministic). On CUDA the parameters are created on the GPU
+    (``use_cpu_initialization`` off, as Megatron-LM runs): Megatron's own draw is cheap there and
+    is replaced anyway by the layout-independent one (``models/weights.py``), also drawn on the
+    GPU. On the CPU the adapter needs ``use_cpu_initialization`` (Megatron's GPU path builds its
+    tensors with ``device=torch.cuda.current_device()``).
     """
 
     on_cuda = cuda_available()
@@ -76,7 +83,7 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
+        use_cpu_initialization=not on_cuda,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -90,15 +97,30 @@ def transformer_config(
     )
 
 
-def gpt_layer_spec(use_transformer_engine: Optional[bool] = None):
+def gpt_layer_spec(use_transformer_engine: Optional[bool] = None, attention_backend: str = "auto"):
     """The GPT layer ``ModuleSpec``: Transformer Engine's when requested (default: when it
-    imports), otherwise the local megatron-core spec with RMSNorm."""
+    imports), otherwise the local megatron-core spec with RMSNorm; its core attention per
+    ``attention_backend`` (:func:`with_attention_backend`)."""
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        # auto keeps Transformer Engine's own fused attention; a named backend replaces it.
+        return spec if attention_backend == "auto" else with_attention_backend(spec, attention_backend)
+    return with_attention_backend(get_gpt_layer_local_spec(normalization="RMSNorm"), attention_backend)
+
+
+CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
+"""The ``core_attention`` class of each resolved ``--attention-backend``."""
+
+
+def with_attention_backend(spec, attention_backend: str = "auto"):
+    """``spec`` (a GPT layer ``ModuleSpec``, changed in place and returned) with the core attention
+    of ``attention_backend`` (``models/config.py: ATTENTION_BACKENDS``)."""
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = CORE_ATTENTION[resolve_attention_backend(attention_backend)]
+    return spec
 
 
 def build_gpt_model(
@@ -108,7 +130,9 @@ def build_gpt_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
 ):
-    """Build this rank's part of the model (its pipeline stage, its TP shard).
+    """Build this rank's part of the model (its pipeline stage, its TP shard), on this process's
+    device (its CUDA device, or the CPU), as Megatron-LM's ``get_model`` moves it right after
+    building and before any wrapper (Float16Module, DDP) sees it.
 
     ``config`` defaults to :func:`transformer_config` at the current parallel layout;
     ``layer_spec`` to :func:`gpt_layer_spec`. The output logits stay vocab-parallel.
@@ -138,6 +162,9 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
     )
+    # Parameters Megatron builds on the CPU whatever the flag says (and every one of them under
+    # use_cpu_initialization) move now; on the CPU this is a no-op.
+    gpt.to(default_device())
     if config.params_dtype != torch.float32:
         # The local spec's norms create fp32 weights whatever params_dtype says; Megatron's
         # training casts every parameter to the compute dtype (Float16Module), and its
@@ -156,6 +183,11 @@ def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     """Positions 0..s-1 for every row of a [batch, s] token tensor."""
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def model_device(model) -> torch.device:
+    """The device ``model``'s parameters live on (every builder moves the whole model to one)."""
+    return next(model.parameters()).device
 
 
 def unwrap_model(model):

@@ -139,6 +139,20 @@ PRESETS = {
 }
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
+"""``--attention-backend`` (Megatron-LM's flag; our values): the core attention in the layer spec.
+``sdpa``: torch's ``scaled_dot_product_attention`` (``models/sdpa_attention.py``; flash or
+memory-efficient kernels on CUDA, O(s) memory per head); ``unfused``: Megatron's
+``DotProductAttention`` (the ``b x heads x s x s`` scores in memory); ``auto``: sdpa."""
+
+
+def resolve_attention_backend(name: str) -> str:
+    """``sdpa`` or ``unfused`` for an ``--attention-backend`` value (``auto`` is sdpa)."""
+    if name not in ATTENTION_BACKENDS:
+        raise UserError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    return "sdpa" if name == "auto" else name
+
+
 def get_preset(name: str) -> ModelConfig:
     """The named preset, or a :class:`UserError` that lists the known names."""
     try:

@@ -53,14 +53,15 @@ def global_indices(param: torch.Tensor, name: str, dim: int) -> torch.Tensor:
     (TP=1) tensor: a TP-split dimension is offset by the rank's slice (per half for the SwiGLU
     ``linear_fc1``), any other dimension maps to itself."""
     local = param.shape[dim]
+    device = param.device
     if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != dim:
-        return torch.arange(local)
+        return torch.arange(local, device=device)
     rank, size = parallel.tp_rank(), parallel.tp_size()
     if is_swiglu_fc1(name):
         half = local // 2
-        block = torch.arange(rank * half, (rank + 1) * half)
+        block = torch.arange(rank * half, (rank + 1) * half, device=device)
         return torch.cat([block, block + half * size])
-    return torch.arange(rank * local, (rank + 1) * local)
+    return torch.arange(rank * local, (rank + 1) * local, device=device)
 
 
 def gather_full(local: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
@@ -139,13 +140,11 @@ def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: f
     every TP/PP layout (Megatron's own init depends on the layout: pipeline stages restart the
     generator, SwiGLU fc1 and the padded vocabulary are split differently).
 
-    Normal(0, init_std) for matrices, scaled by 1/sqrt(2 layers) for the residual-branch
-    outputs (linear_proj, linear_fc2) as in Megatron; ones for norms, zeros for biases.
-    Vocabulary padding rows are zero. Every rank draws full tensors: meant for fresh
-    (non-pretrained) models, which are small; pretrained ones are loaded from checkpoints.
+    Each full tensor is drawn on the parameter's device, one at a time (:func:`fresh_full_tensor`).
+    Every rank draws full tensors: meant for fresh (non-pretrained) models; pretrained ones are
+    loaded from checkpoints.
     """
     offset = layer_offset(model)
-    num_layers = model.config.num_layers
     for local_name, param in model.named_parameters():
         local_name = local_name.removeprefix("module.")
         name = global_name(local_name, offset)
@@ -154,16 +153,31 @@ def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: f
         full_shape = list(param.shape)
         if getattr(param, "tensor_model_parallel", False):
             full_shape[param.partition_dim] *= parallel.tp_size()
-        if param.dim() == 1:
-            full = torch.ones(full_shape) if "norm" in name else torch.zeros(full_shape)
-        else:
-            std = init_std
-            if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                std = init_std / (2.0 * num_layers) ** 0.5
-            generator = torch.Generator().manual_seed(name_seed(seed, name))
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                full = torch.zeros(full_shape)
-                full[:vocab_size] = torch.randn(vocab_size, full_shape[1], generator=generator) * std
-            else:
-                full = torch.randn(full_shape, generator=generator) * std
+        full = fresh_full_tensor(name, full_shape, vocab_size, seed, init_std, model.config.num_layers, param.device)
         param.copy_(shard_of(full, param, local_name).to(param.dtype))
+        del full  # one full tensor at a time: a 32B model's largest is a few GiB
+
+
+def fresh_full_tensor(name: str, full_shape, vocab_size: int, seed: int, init_std: float, num_layers: int,
+                      device) -> torch.Tensor:
+    """The fresh fp32 value of the full (TP=1) tensor ``name`` (a global name), drawn on ``device``.
+
+    Normal(0, init_std) for matrices, scaled by 1/sqrt(2 layers) for the residual-branch outputs
+    (linear_proj, linear_fc2) as in Megatron; ones for norms, zeros for biases; vocabulary
+    padding rows are zero. The generator is seeded by (seed, name) and lives on ``device``: on a
+    GPU the draw runs there (a 7B model's weights in seconds, not the minutes one CPU generator
+    takes). Its stream is that device kind's own, so CPU and CUDA weights differ; every layout
+    on one device kind agrees.
+    """
+    if len(full_shape) == 1:
+        fill = torch.ones if "norm" in name else torch.zeros
+        return fill(full_shape, device=device)
+    std = init_std
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = init_std / (2.0 * num_layers) ** 0.5
+    generator = torch.Generator(device=device).manual_seed(name_seed(seed, name))
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full = torch.zeros(full_shape, device=device)
+        full[:vocab_size] = torch.randn(vocab_size, full_shape[1], generator=generator, device=device) * std
+        return full
+    return torch.randn(full_shape, generator=generator, device=device) * std

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from logra_megatron import parallel
+from logra_megatron.ops.budgets import KL_CHUNK_ELEMENTS, kl_chunk_rows
 
 # Log-probabilities are clamped to at least this before they multiply a probability: exp() of
 # anything below -746 is exactly 0 even in float64, so the clamp changes no value, but it turns
@@ -169,20 +170,26 @@ def vocab_parallel_kl(logits_p: torch.Tensor, logits_q: torch.Tensor,
     layout (e.g. the policy before and after a proposed update). Forward only.
 
     Three all-reduces of per-token numbers: the two maxima, the two normalizers, the local
-    parts of ``sum_v p_v (log p_v - log q_v)``.
+    parts of ``sum_v p_v (log p_v - log q_v)``. Works in place on two float32/64 copies of the
+    inputs: three tensors of the logits' size at most (the KL controller's reductions call it on
+    token chunks, :func:`masked_kl_sum`).
     """
     group = _resolve_group(group)
     dtype = torch.promote_types(_compute_dtype(logits_p), _compute_dtype(logits_q))
-    scaled_p = logits_p.to(dtype) / temperature
-    scaled_q = logits_q.to(dtype) / temperature
-    maxima = _all_reduce(torch.stack([scaled_p.amax(-1), scaled_q.amax(-1)]), group, dist.ReduceOp.MAX)
-    log_p = scaled_p - maxima[0].unsqueeze(-1)
-    log_q = scaled_q - maxima[1].unsqueeze(-1)
+    log_p = logits_p.to(dtype, copy=True)
+    log_q = logits_q.to(dtype, copy=True)
+    if temperature != 1.0:
+        log_p /= temperature
+        log_q /= temperature
+    maxima = _all_reduce(torch.stack([log_p.amax(-1), log_q.amax(-1)]), group, dist.ReduceOp.MAX)
+    log_p -= maxima[0].unsqueeze(-1)
+    log_q -= maxima[1].unsqueeze(-1)
     sum_exp = _all_reduce(torch.stack([log_p.exp().sum(-1), log_q.exp().sum(-1)]), group)
     # A q of exactly 0 where p > 0 gives a large finite KL (about 1000) instead of +inf.
-    log_p = (log_p - sum_exp[0].log().unsqueeze(-1)).clamp_(min=_LOG_ZERO)
-    log_q = (log_q - sum_exp[1].log().unsqueeze(-1)).clamp_(min=_LOG_ZERO)
-    local_kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    log_p.sub_(sum_exp[0].log().unsqueeze(-1)).clamp_(min=_LOG_ZERO)
+    log_q.sub_(sum_exp[1].log().unsqueeze(-1)).clamp_(min=_LOG_ZERO)
+    log_ratio = log_q.sub_(log_p).neg_()  # log p - log q (negation is exact)
+    local_kl = (log_p.exp_() * log_ratio).sum(-1)
     return _all_reduce(local_kl, group)
 
 
@@ -201,26 +208,58 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.
 
 # --- means over the KL controller's probe tokens (sums over the vocabulary reduced over TP) ----
 
-def masked_kl_sum(old_logits, new_logits, mask) -> float:
+def _token_chunks(logits: torch.Tensor, chunk_elements: int):
+    """Slices of the flattened token positions of ``logits`` (``[..., V/tp]``), each holding at
+    most ``chunk_elements`` logits (at least one position): the same slices on every TP rank."""
+    tokens = logits.numel() // max(1, logits.shape[-1])
+    rows = kl_chunk_rows(logits.shape[-1], chunk_elements)
+    return [slice(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
+
+
+def masked_kl_sum(old_logits, new_logits, mask, chunk_elements: int = KL_CHUNK_ELEMENTS) -> float:
     """Sum over the masked tokens of KL(softmax(old) || softmax(new)), both vocab-parallel
-    slices (divide by ``mask.sum()`` for the mean)."""
-    per_token = vocab_parallel_kl(old_logits, new_logits, group=parallel.tp_group())
-    return float((per_token * mask.to(per_token.dtype)).sum())
-
-
-def masked_half_variance_sum(logits, delta, mask) -> float:
-    """Sum over the masked tokens of ``0.5 * Var_p(delta)`` with ``p = softmax(logits)``; both
-    tensors are vocab-parallel slices (sums over the vocabulary all-reduced over TP)."""
+    slices (divide by ``mask.sum()`` for the mean). The tokens are taken ``chunk_elements``
+    logits at a time (ops/budgets.py), so the transient is three chunk-sized fp32 copies, not
+    seven of the whole microbatch's logits; per token the KL is the unchunked one, the sum is
+    accumulated in fp64 on the logits' device (one host sync)."""
+    vocab = old_logits.shape[-1]
+    old_flat, new_flat = old_logits.reshape(-1, vocab), new_logits.reshape(-1, vocab)
+    mask_flat = mask.reshape(-1)
     group = parallel.tp_group()
-    logits = logits.double()
-    delta = delta.double()
-    maximum = logits.amax(-1, keepdim=True)
-    if parallel.tp_size() > 1:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-    weights = (logits - maximum).exp()
-    sums = torch.stack([weights.sum(-1), (weights * delta).sum(-1), (weights * delta.square()).sum(-1)])
-    if parallel.tp_size() > 1:
-        dist.all_reduce(sums, group=group)
-    mean = sums[1] / sums[0]
-    variance = (sums[2] / sums[0] - mean.square()).clamp(min=0)
-    return float((0.5 * variance * mask.double()).sum())
+    total = torch.zeros((), dtype=torch.float64, device=old_logits.device)
+    for rows in _token_chunks(old_logits, chunk_elements):
+        per_token = vocab_parallel_kl(old_flat[rows], new_flat[rows], group=group)
+        total += (per_token.double() * mask_flat[rows].double()).sum()
+    return float(total)
+
+
+@torch.no_grad()
+def masked_half_variance_sum(logits, new_logits, epsilon: float, mask,
+                             chunk_elements: int = KL_CHUNK_ELEMENTS) -> float:
+    """Sum over the masked tokens of ``0.5 * Var_p(delta)`` with ``p = softmax(logits)`` and
+    ``delta = (new_logits - logits) / epsilon`` (the linear KL forecast); all vocab-parallel
+    slices (sums over the vocabulary all-reduced over TP). In fp64, ``chunk_elements`` logits at
+    a time: three chunk-sized fp64 tensors, never a copy of the whole microbatch's logits."""
+    vocab = logits.shape[-1]
+    old_flat, new_flat = logits.reshape(-1, vocab), new_logits.reshape(-1, vocab)
+    mask_flat = mask.reshape(-1)
+    group = parallel.tp_group()
+    reduce = parallel.tp_size() > 1
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for rows in _token_chunks(logits, chunk_elements):
+        weights = old_flat[rows].to(torch.float64, copy=True)
+        delta = new_flat[rows].to(torch.float64, copy=True)
+        delta.sub_(weights).div_(epsilon)
+        maximum = weights.amax(-1, keepdim=True)
+        if reduce:
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        weights.sub_(maximum).exp_()
+        first = (weights * delta).sum(-1)
+        second = (weights * delta.square_()).sum(-1)
+        sums = torch.stack([weights.sum(-1), first, second])
+        if reduce:
+            dist.all_reduce(sums, group=group)
+        mean = sums[1] / sums[0]
+        variance = (sums[2] / sums[0] - mean.square()).clamp(min=0)
+        total += (0.5 * variance * mask_flat[rows].double()).sum()
+    return float(total)

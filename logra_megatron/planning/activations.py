@@ -10,16 +10,18 @@ The replay follows the code, not a rule of thumb (``T = b x s`` tokens of a micr
 bytes of the run's dtype, ``n``/``g``/``f``/``V`` the heads, kv heads, FFN width and padded
 vocabulary on this TP rank, ``d`` the head dimension):
 
-- **A layer's saved tensors** (Megatron's local layer spec, unfused attention): per RMSNorm the
+- **A layer's saved tensors** (Megatron's local layer spec): per RMSNorm the
   fp32 input (the residual itself in fp32, a copy in bf16), the fp32 normalized input, the output
   (``e``) and the fp32 ``1/rms`` per token; the rotated query, the key and value repeated to
   ``n`` heads (GQA; without GQA the key and the whole QKV output, of which the value is a view),
-  the ``cos``/``sin`` tables of both rotations, the softmax output ``b n s s`` in fp32 (plus its
-  ``e`` copy in bf16, which the context product saves), the contiguous context; the SwiGLU MLP's
+  the ``cos``/``sin`` tables of both rotations; the core attention's by ``--attention-backend``:
+  ``unfused`` the softmax output ``b n s s`` in fp32 (plus its ``e`` copy in bf16, which the
+  context product saves) and the contiguous context, ``sdpa`` (the default) the kernel's output,
+  which is the context, and its fp32 logsumexp ``b n s`` (no ``s x s`` term); the SwiGLU MLP's
   fc1 output ``2f``, ``silu``, the linear half + offset and their product (``5 T f``). In fp32
   the residual stream is saved as the next norm's input; in bf16 the norm keeps its own fp32 copy
   and the residual lives only until the next residual add.
-- **Recomputation**: ``selective`` drops the scores' softmax (core attention keeps its inputs:
+- **Recomputation**: ``selective`` drops core attention's saved tensors (it keeps its inputs:
   q, the un-repeated key and the QKV output the value is a view of); ``full`` keeps only the
   input of each recomputed group (``uniform``) or of each of the first N layers (``block``), and
   the backward re-runs the group's forward (its saved tensors live while it is differentiated).
@@ -30,33 +32,39 @@ vocabulary on this TP rank, ``d`` the head dimension):
   microbatches' saved tensors on stage ``stage``, plus each one's received input (and, on the
   CPU, where Megatron does not deallocate pipeline outputs, its sent output) until its backward.
 - **The backward**, op by op: the gradients each op allocates while the layer's saved tensors
-  are freed as their last user runs (the peak is usually the output layer's backward, or a
-  layer's attention backward: gradients of the ``b n s s`` scores twice).
+  are freed as their last user runs (the peak is usually the output layer's backward, or an
+  unfused layer's attention backward: gradients of the ``b n s s`` scores twice; SDPA's
+  backward allocates the gradients of q, k and v and an fp32 scratch of the context's size).
 - **The optimizer** (after the backward freed everything): torch's single-tensor AdamW on the
   CPU allocates ``sqrt(v)`` and its quotient per parameter (two of the largest parameter);
   clipping multiplies a copy per parameter; LoGRA reduces its sketches (a copy at ZeRO-1),
-  takes their norm in fp64 (two fp64 copies), and its AdamW direction ``U`` (two sketch-sized
-  temporaries, ``U`` itself held to the commit), commits in row blocks.
+  takes their norm in fp64 chunks (two chunks of ``ops/budgets.py: NORM_CHUNK_ELEMENTS`` at
+  most), and its AdamW direction ``U`` (two sketch-sized temporaries, ``U`` itself held to the
+  commit), commits in row blocks (``SR_BLOCK_ELEMENTS`` with ``bf16-sr``).
 - **The KL controller** (``probe``/``linear``): the dense optimizer's fp32 mains before and after
   its step (held from propose to commit), ``U``, and forward-only probe passes of one probe
   microbatch each: two microbatches of logits (``old``, ``new``) and the full-vocabulary KL's
-  fp32 temporaries (seven of the logits' size), no saved activations.
+  temporaries, taken over token chunks of ``KL_CHUNK_ELEMENTS`` logits (three fp32 chunk copies;
+  fp64 for ``linear``), no saved activations.
 
 Platforms. ``platform="cuda"`` is what a GPU with the local spec allocates; ``"cpu"`` is what the
 CPU tracker records here: bf16 matrix products are computed in fp32 from widened inputs
 (logra_megatron/platform/cpu_adapter.py: the widened inputs and the fp32 product are transient),
 pipeline outputs are not deallocated after their send, and the tracker sees the norm probes
 LoGRA draws anew each step but not the frees of the previous step's (their bytes count in
-full). On a GPU with Transformer Engine / flash attention the ``b n s s`` terms disappear (the
-attention kernel keeps only its output and the per-row softmax statistics), RMSNorm saves only
-its input and ``1/rms``, and fused SwiGLU saves only the fc1 output; this module models the local
-spec, which is what runs here.
+full); its SDPA kernel (aten's CPU flash attention) adds per-thread tiles of up to 256 x 512
+scores, counted for one thread. With ``sdpa`` on a GPU the causal step runs the flash kernel
+(bf16; the memory-efficient one in fp32, whose output is copied into the context at b > 1).
+With Transformer Engine, RMSNorm saves only its input and ``1/rms`` and fused SwiGLU saves only
+the fc1 output; this module models the local spec, which is what runs here.
 """
 
 from dataclasses import dataclass
 from typing import Dict
 
 from logra_megatron.errors import UserError
+from logra_megatron.models.config import resolve_attention_backend
+from logra_megatron.ops.budgets import NORM_CHUNK_ELEMENTS, SR_BLOCK_ELEMENTS, kl_chunk_rows
 from logra_megatron.planning import state as state_model
 from logra_megatron.planning.settings import PlanSettings
 
@@ -167,6 +175,7 @@ class _Step:
                          widened=settings.bf16 and platform == "cpu")
         self.params = state_model.parameter_shapes(settings, stage)
         self.logra = settings.optimizer == "logra"
+        self.sdpa = resolve_attention_backend(settings.attention_backend) == "sdpa"
         self.sketched = {p.name.split(".")[-2] for p in self.params if p.sketch_side is not None}
         self.timeline = Timeline()
 
@@ -251,21 +260,10 @@ class _Step:
             tl.alloc(p + ("v_rep",), T * d.n * d.d * e, comp if core_saved else "forward_temporaries_bytes")
             if core_saved:  # the repeated copies are what the products save
                 tl.free(p + ("k",), p + ("qkv",))
-        # scores = baddbmm(q, k^T) (fp32 or e), softmax in fp32, dropout(p=0) is the identity.
-        self._product(2 * T * d.n * d.d, 0, d.scores)
-        tl.alloc(p + ("scores",), d.scores * e, "forward_temporaries_bytes")
-        if e != FP32:
-            tl.alloc(p + ("scores32",), d.scores * FP32, "forward_temporaries_bytes")
-        tl.alloc(p + ("probs32",), d.scores * FP32, comp if core_saved else "forward_temporaries_bytes")
-        tl.free(p + ("scores",), p + ("scores32",))
-        if e != FP32:
-            tl.alloc(p + ("probs16",), d.scores * e, comp if core_saved else "forward_temporaries_bytes")
-        self._product(d.scores + T * d.n * d.d, 0, T * d.n * d.d)
-        tl.alloc(p + ("ctx_raw",), T * d.n * d.d * e, "forward_temporaries_bytes")
-        tl.alloc(p + ("ctx",), T * d.n * d.d * e, comp)
-        tl.free(p + ("ctx_raw",))
-        if not core_saved:  # selective keeps core attention's inputs: q, k and qkv (v is its view)
-            tl.free(p + ("probs32",), p + ("probs16",), p + ("k_rep",), p + ("v_rep",))
+        if self.sdpa:
+            self._sdpa_forward(p, comp, core_saved)
+        else:
+            self._unfused_forward(p, comp, core_saved)
         if not saved:
             tl.free(p + ("q",), p + ("k",), p + ("qkv",), p + ("rope", "q"), p + ("rope", "k"))
         self._product(T * d.n * d.d, d.h * d.n * d.d, T * d.h)
@@ -295,6 +293,69 @@ class _Step:
         tl.free(p + ("fc2",))
         self._drop_residual(res1, saved)
         return out
+
+    def _unfused_forward(self, p, comp: str, core_saved: bool) -> None:
+        """Megatron's DotProductAttention: ``scores = baddbmm(q, k^T)`` (fp32 or e), the softmax in
+        fp32 (and its e copy, which the context product saves), dropout(p=0) the identity."""
+        tl, d = self.timeline, self.dims
+        e, T = d.e, d.tokens
+        self._product(2 * T * d.n * d.d, 0, d.scores)
+        tl.alloc(p + ("scores",), d.scores * e, "forward_temporaries_bytes")
+        if e != FP32:
+            tl.alloc(p + ("scores32",), d.scores * FP32, "forward_temporaries_bytes")
+        tl.alloc(p + ("probs32",), d.scores * FP32, comp if core_saved else "forward_temporaries_bytes")
+        tl.free(p + ("scores",), p + ("scores32",))
+        if e != FP32:
+            tl.alloc(p + ("probs16",), d.scores * e, comp if core_saved else "forward_temporaries_bytes")
+        self._product(d.scores + T * d.n * d.d, 0, T * d.n * d.d)
+        tl.alloc(p + ("ctx_raw",), T * d.n * d.d * e, "forward_temporaries_bytes")
+        tl.alloc(p + ("ctx",), T * d.n * d.d * e, comp)
+        tl.free(p + ("ctx_raw",))
+        if not core_saved:  # selective keeps core attention's inputs: q, k and qkv (v is its view)
+            tl.free(p + ("probs32",), p + ("probs16",), p + ("k_rep",), p + ("v_rep",))
+
+    def _sdpa_forward(self, p, comp: str, core_saved: bool) -> None:
+        """scaled_dot_product_attention (causal, no mask): its output and the fp32 logsumexp, both
+        saved by the kernel, and its tiles for the op. The output is the context linear_proj
+        saves (one tensor, already laid out ``[s, b, heads, d]``), except from CUDA's
+        memory-efficient kernel (fp32), whose ``[b, s, heads, d]`` output is copied at b > 1."""
+        tl, d = self.timeline, self.dims
+        context = d.tokens * d.n * d.d * d.e
+        core = comp if core_saved else "forward_temporaries_bytes"
+        if self._sdpa_copies_context():
+            tl.alloc(p + ("out",), context, core)
+        else:
+            tl.alloc(p + ("ctx",), context, comp)
+        tl.alloc(p + ("lse",), d.b * d.n * d.s * FP32, core)
+        tl.moment(self._sdpa_tiles(backward=False), "forward_temporaries_bytes")
+        if self._sdpa_copies_context():
+            tl.alloc(p + ("ctx",), context, comp)
+        if not core_saved:  # selective keeps core attention's inputs (and its output, the context)
+            tl.free(p + ("out",), p + ("lse",), p + ("k_rep",), p + ("v_rep",))
+
+    def _sdpa_copies_context(self) -> bool:
+        """Whether the context is a copy of SDPA's output: on CUDA in fp32 (no flash kernel; the
+        memory-efficient one writes ``[b, s, heads, d]``) with more than one row per microbatch.
+        The CPU kernel and CUDA's flash kernel write the query's layout."""
+        return self.platform == "cuda" and self.dims.e == FP32 and self.dims.b > 1
+
+    def _sdpa_tiles(self, backward: bool) -> int:
+        """Bytes of the CPU flash kernel's per-thread tiles (one thread; aten's
+        FlashAttentionKernel.cpp: blocks of ``q_split`` queries by up to 512 keys; in the
+        backward also the fp32 accumulation of the output gradient's product, one context of
+        the run's dtype). CUDA's kernels tile in on-chip memory; their backward's fp32
+        ``dq`` accumulator and ``softmax_d`` are what counts there."""
+        d = self.dims
+        context = d.tokens * d.n * d.d
+        if self.platform == "cuda":
+            return context * FP32 + d.b * d.n * d.s * FP32 if backward else 0
+        q_split = min(256 if d.s >= 768 else 64 if d.s >= 192 else 32, d.s)
+        kv_split = min(512, d.s)
+        block = q_split * kv_split
+        reduced = d.e != FP32
+        if backward:
+            return context * d.e + (2 * block + q_split) * FP32 + (2 * block * d.e if reduced else 0)
+        return (block + 2 * q_split + q_split * d.d) * FP32 + (block * d.e if reduced else 0)
 
     def _drop_residual(self, key, saved: bool) -> None:
         """A residual tensor after its last forward use: kept when a norm saved it (fp32, grad
@@ -418,7 +479,41 @@ class _Step:
         tl.free(g + ("ln2x",), grad_key)
         # attention
         self._linear_backward(g + ("ctx",), T, T, d.n * d.d, d.h, "linear_proj")
-        tl.free(p + ("ctx",))
+        if self.sdpa:
+            self._sdpa_backward(p, g, selective)
+        else:
+            tl.free(p + ("ctx",))
+            self._unfused_backward(p, g, selective)
+        if d.n > d.g:
+            tl.alloc(g + ("k",), T * d.g * d.d * e, comp)
+            tl.alloc(g + ("v",), T * d.g * d.d * e, comp)
+            tl.free(g + ("k_rep",), g + ("v_rep",))
+        else:
+            tl.free(p + ("qkv",))
+        for name, heads in (("q", d.n), ("k", d.g)):
+            tl.moment(2 * T * heads * d.d * e, comp)
+            tl.free(p + ("rope", name))
+        tl.free(p + ("k",), p + ("qkv",))
+        qkv = (d.n + 2 * d.g) * d.d
+        tl.alloc(g + ("qkv",), T * qkv * e, comp)
+        tl.free(g + ("q",), g + ("k",), g + ("v",), g + ("k_rep",), g + ("v_rep",))
+        self._linear_backward(g + ("ln1",), T, T, d.h, qkv, "linear_qkv")
+        tl.free(g + ("qkv",), p + ("ln1", "out"))
+        self._norm_backward(p + ("ln1",), g + ("ln1",), g + ("ln1x",))
+        if x_key not in self._held:
+            tl.free(x_key)
+        out = g + ("input",)
+        tl.alloc(out, T * d.h * e, comp)
+        tl.free(g + ("ln1x",), g + ("res1",))
+        return out
+
+    def _unfused_backward(self, p, g, selective: bool) -> None:
+        """DotProductAttention's backward (its forward re-run first under selective recompute):
+        the ``b n s s`` gradients of the probabilities and the scores, then of q and the
+        repeated key and value."""
+        tl, d = self.timeline, self.dims
+        e, T = d.e, d.tokens
+        comp = "backward_temporaries_bytes"
         if selective:
             redo = "recompute_bytes"
             if d.n > d.g:
@@ -451,28 +546,31 @@ class _Step:
         tl.alloc(g + ("q",), T * d.n * d.d * e, comp)
         tl.alloc(g + ("k_rep",), T * d.n * d.d * e, comp)
         tl.free(g + ("masked",), g + ("scores16",), p + ("q",), p + ("k_rep",))
-        if d.n > d.g:
-            tl.alloc(g + ("k",), T * d.g * d.d * e, comp)
-            tl.alloc(g + ("v",), T * d.g * d.d * e, comp)
-            tl.free(g + ("k_rep",), g + ("v_rep",))
-        else:
-            tl.free(p + ("qkv",))
-        for name, heads in (("q", d.n), ("k", d.g)):
-            tl.moment(2 * T * heads * d.d * e, comp)
-            tl.free(p + ("rope", name))
-        tl.free(p + ("k",), p + ("qkv",))
-        qkv = (d.n + 2 * d.g) * d.d
-        tl.alloc(g + ("qkv",), T * qkv * e, comp)
-        tl.free(g + ("q",), g + ("k",), g + ("v",), g + ("k_rep",), g + ("v_rep",))
-        self._linear_backward(g + ("ln1",), T, T, d.h, qkv, "linear_qkv")
-        tl.free(g + ("qkv",), p + ("ln1", "out"))
-        self._norm_backward(p + ("ln1",), g + ("ln1",), g + ("ln1x",))
-        if x_key not in self._held:
-            tl.free(x_key)
-        out = g + ("input",)
-        tl.alloc(out, T * d.h * e, comp)
-        tl.free(g + ("ln1x",), g + ("res1",))
-        return out
+
+    def _sdpa_backward(self, p, g, selective: bool) -> None:
+        """SDPA's backward (its forward re-run first under selective recompute): the gradients
+        of q and the repeated key and value, the kernel's scratch; then its saved output (the
+        context, unless copied), logsumexp and inputs are released."""
+        tl, d = self.timeline, self.dims
+        context = d.tokens * d.n * d.d * d.e
+        comp = "backward_temporaries_bytes"
+        if selective or self._sdpa_copies_context():  # the context only linear_proj needed
+            tl.free(p + ("ctx",))
+        if selective:
+            redo = "recompute_bytes"
+            if d.n > d.g:
+                tl.alloc(p + ("k_rep",), context, redo)
+                tl.alloc(p + ("v_rep",), context, redo)
+            tl.alloc(p + ("out",), context, redo)
+            tl.alloc(p + ("lse",), d.b * d.n * d.s * FP32, redo)
+            tl.moment(self._sdpa_tiles(backward=False), redo)
+            if self._sdpa_copies_context():  # the re-run's context, which nothing uses
+                tl.moment(context, redo)
+        tl.alloc(g + ("q",), context, comp)
+        tl.alloc(g + ("k_rep",), context, comp)
+        tl.alloc(g + ("v_rep",), context, comp)
+        tl.moment(self._sdpa_tiles(backward=True), comp)
+        tl.free(g + ("ctx",), p + ("ctx",), p + ("out",), p + ("lse",), p + ("q",), p + ("k_rep",), p + ("v_rep",))
 
     def _input_of(self, mb, layer, stage_input):
         return stage_input if layer == 0 else ("layer", mb, layer - 1, "res2")
@@ -590,6 +688,8 @@ class _Step:
         # lm_forward_backward: inputs and labels (int64) of the replica's batch, its loss mask,
         # the causal mask.
         tl.alloc("batch", per_replica * d.s * (2 * INT64 + FP32) + d.s * d.s, "batch_bytes")
+        if self.sdpa:  # SDPAttention's test of that mask against a causal one, once per step
+            tl.moment(d.s * d.s, "forward_temporaries_bytes")
         if settings.pipeline_parallel == 1:
             for mb in range(microbatches):
                 self.forward_microbatch(mb)
@@ -645,10 +745,10 @@ class _Step:
         if zero1:
             tl.alloc("sketch_slice", local * FP32, comp)
         tl.moment(local, comp)  # isfinite
-        tl.moment(2 * local * FP64, comp)  # grads.double().pow(2)
+        tl.moment(norm_chunk_bytes(local), comp)  # ops/norms.py: the sketch norm in fp64 chunks
         probes = sum(self._norm_probes() * (p.shape[0] if p.sketch_side == "right" else p.shape[1])
                      for p in self.params if p.sketch_side is not None)
-        tl.moment(2 * probes * FP64, comp)
+        tl.moment(norm_chunk_bytes(probes), comp)
         self._dense_step()
         if settings.logra.update == "rowadam":
             tl.moment(local * FP32, comp)
@@ -663,16 +763,20 @@ class _Step:
         tl.free("sketch_slice")
 
     def _commit(self) -> None:
-        """Row blocks through the master mode (bf16-sr: fp32 values and int64 indices of a
-        block); the proposal is dropped."""
+        """Row blocks through the master mode (logra/masters.py ``block_rows``): ``none``, an
+        fp32 block of at most a sketch's elements; ``bf16-sr``, blocks of ``SR_BLOCK_ELEMENTS``
+        (whole rows, at least one) holding the fp32 values and three int64 tensors (the element
+        index, the random bits, the bit pattern: ops/rounding.py). The proposal is dropped."""
         tl = self.timeline
         if self.logra and self.settings.bf16 and self.settings.logra.master in ("bf16-sr", "none"):
-            block = max((state_model._sketch_numel(p, state_model.sketch_rank(self.settings, p))
-                         for p in self.params if p.sketch_side is not None), default=0)
+            sketched = [p for p in self.params if p.sketch_side is not None]
             if self.settings.logra.master == "bf16-sr":
-                block //= 8
+                block = max((min(p.shape[0], max(1, SR_BLOCK_ELEMENTS // p.shape[1])) * p.shape[1]
+                             for p in sketched), default=0)
                 tl.moment(block * (FP32 + 3 * INT64), "optimizer_temporaries_bytes")
             else:
+                block = max((max(1, state_model._sketch_numel(p, state_model.sketch_rank(self.settings, p))
+                                 // p.shape[1]) * p.shape[1] for p in sketched), default=0)
                 tl.moment(block * FP32, "optimizer_temporaries_bytes")
         tl.free("update", "update_local", "copies")
 
@@ -715,16 +819,18 @@ class _Step:
         self.timeline.moment(3 * d.tokens * widest * FP32, "probe_bytes")
 
     def _probe_kl(self) -> None:
-        """The full-vocabulary KL of two logits slices: seven fp32 temporaries of their size."""
+        """The full-vocabulary KL of two logits slices (ops/vocab_parallel.py ``masked_kl_sum``,
+        ``masked_half_variance_sum``), token chunk by token chunk of ``KL_CHUNK_ELEMENTS``
+        logits: three chunk-sized temporaries, fp32 (``probe``: both log-softmaxes, then the
+        product) or fp64 (``linear``: the weights, the difference, a product)."""
         if not self.last:
             return
         d = self.dims
         rows, _ = probe_layout(self.settings)
-        elements = rows * (d.s + 1) * d.vocab
-        if self.settings.kl_control == "linear":  # fp64 difference, then the variance's terms
-            self.timeline.moment(elements * (3 * FP64 + 4 * FP32), "probe_bytes")
-        else:
-            self.timeline.moment(7 * elements * FP32, "probe_bytes")
+        tokens = rows * (d.s + 1)
+        elements = min(tokens, kl_chunk_rows(d.vocab)) * d.vocab
+        width = FP64 if self.settings.kl_control == "linear" else FP32
+        self.timeline.moment(3 * elements * width, "probe_bytes")
 
     def controller(self) -> None:
         """The step after the backward: plain optimizer step (``off``), or propose -> probe
@@ -805,6 +911,12 @@ def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda")
     return result
 
 
+def norm_chunk_bytes(elements: int) -> int:
+    """The transient of ``ops/norms.py: squared_norm`` over ``elements``: the fp64 copy of a
+    chunk, and while the next one is made, the previous one (two chunks at most)."""
+    return min(elements, 2 * NORM_CHUNK_ELEMENTS) * FP64
+
+
 def probe_layout(settings: PlanSettings) -> tuple:
     """``(rows per forward, forwards per forecast side)`` of the KL controller's probe set on one
     DP replica: ``--kl-probe-sequences`` rows of its batch, ``--micro-batch-size`` at a time
@@ -830,9 +942,11 @@ def _check_recompute(settings: PlanSettings) -> None:
 
 
 def global_buffer_bytes(settings: PlanSettings) -> int:
-    """Megatron's global memory buffer that the attention scores' ``baddbmm`` reads (``b x n x s
-    x s`` of the run's dtype): allocated by the first step and kept, so it is in no step's
-    peak but in the memory a GPU holds."""
+    """Megatron's global memory buffer that the unfused attention scores' ``baddbmm`` reads (``b
+    x n x s x s`` of the run's dtype): allocated by the first step and kept, so it is in no
+    step's peak but in the memory a GPU holds. SDPA reads no such buffer."""
+    if resolve_attention_backend(settings.attention_backend) == "sdpa":
+        return 0
     model = settings.model
     heads = model.heads // settings.tensor_parallel
     return settings.micro_batch_size * heads * settings.seq_length ** 2 * settings.weight_bytes_per_element

@@ -11,8 +11,9 @@ from dataclasses import replace
 from typing import Optional
 
 from logra_megatron.errors import UserError
-from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULE_NAMES, LogRAConfig, parse_rank
-from logra_megatron.models.config import PRESETS, ModelConfig, get_preset
+from logra_megatron.logra.config import (MASTER_MODES, UPDATE_RULE_NAMES, LogRAConfig, add_rank_arguments,
+                                         rank_settings)
+from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
 from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings, RolloutPlan
 from logra_megatron.training.config import KL_MODES
 
@@ -53,8 +54,7 @@ def add_arguments(parser) -> None:
                            help="Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 state sharding")
     optimizer.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 gradients and masters)")
     defaults = LogRAConfig()
-    optimizer.add_argument("--logra-rank", default=str(defaults.rank),
-                           help=f"LoGRA sketch rank: an integer or a fraction (default {defaults.rank}, the trainer's)")
+    add_rank_arguments(optimizer)
     optimizer.add_argument("--logra-update", choices=UPDATE_RULE_NAMES, default=defaults.update,
                            help="LoGRA's sketch-space update rule (adam: two moments per sketch element; rowadam: "
                                 "one per sketch line, no norm probes, no distributed optimizer)")
@@ -71,6 +71,9 @@ def add_arguments(parser) -> None:
     batch.add_argument("--global-batch-size", type=int, default=64,
                        help="sequences per optimizer step over all DP replicas (default 64)")
     batch.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence (default 2048)")
+    batch.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="core attention, as the trainer's flag: sdpa (auto; no seq x seq scores in memory) "
+                            "or unfused (Megatron's DotProductAttention: b x heads x seq x seq scores per layer)")
     batch.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default="none")
     batch.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None)
     batch.add_argument("--recompute-num-layers", type=int, default=None)
@@ -146,7 +149,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
     dp = data_parallel_size(args)
     if optimizer is None:
         optimizer = "logra" if args.optimizer == "both" else args.optimizer
-    logra = LogRAConfig(rank=parse_rank(args.logra_rank), update=args.logra_update, master=args.logra_master,
+    logra = LogRAConfig(**rank_settings(args), update=args.logra_update, master=args.logra_master,
                         embeddings=args.logra_embeddings, norm_probes=args.logra_norm_probes,
                         zero1=args.use_distributed_optimizer)
     if args.kl_probe_sequences < 1:
@@ -159,7 +162,8 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        reference_model=args.reference_model, rollout=rollout_for(args, dp))
+        attention_backend=args.attention_backend, reference_model=args.reference_model,
+        rollout=rollout_for(args, dp))
 
 
 def optimizers_of(args) -> tuple:

@@ -58,6 +58,9 @@ class PlanSettings:
     """Megatron's ``--recompute-method`` for full recomputation: uniform or block."""
     recompute_num_layers: Optional[int] = None
     """Megatron's ``--recompute-num-layers``."""
+    attention_backend: str = "auto"
+    """``--attention-backend``: ``sdpa`` (``auto``) keeps no ``b x heads x s x s`` scores;
+    ``unfused`` (Megatron's DotProductAttention) does."""
     reference_model: bool = False
     """A frozen copy of the initial policy for a KL penalty (weights only, ``dtype`` of the run)."""
     rollout: RolloutPlan = field(default_factory=RolloutPlan)

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
+from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings
 from logra_megatron.training.config import KL_MODES
 
@@ -116,6 +117,7 @@ def check_settings(settings: PlanSettings) -> None:
     if settings.recompute_method is not None and settings.recompute_method not in RECOMPUTE_METHODS:
         raise UserError(f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, "
                         f"got {settings.recompute_method!r}")
+    resolve_attention_backend(settings.attention_backend)  # an unknown name is one UserError
     if settings.optimizer == "logra":
         settings.logra.check_model(model)
         if settings.logra.master == "bf16-sr" and not settings.bf16:

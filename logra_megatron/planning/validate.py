@@ -73,6 +73,7 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     import torch
 
     from logra_megatron import parallel
+    from logra_megatron.models.build import model_device
     from logra_megatron.planning import activations, state
     from logra_megatron.platform import cuda_available
     from logra_megatron.platform.memory import AllocationTracker
@@ -87,12 +88,14 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     dtype = torch.bfloat16 if settings.bf16 else torch.float32
     model, ddp, optimizer = build_trainable(
         settings.model, OptimizerSettings(kind=settings.optimizer, lr=1e-4, distributed=settings.distributed_optimizer),
-        settings.logra, dtype=dtype, seed=seed, recompute=recompute)
+        settings.logra, dtype=dtype, seed=seed, recompute=recompute, attention_backend=settings.attention_backend)
+    # Token ids drawn on the CPU on purpose (the same batch on every device kind); this rank's
+    # rows move to the model's device once.
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, settings.model.vocab, (settings.global_batch_size, settings.seq_length + 1),
                            generator=generator)
     per_replica = settings.global_batch_size // parallel.dp_size()
-    mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica]
+    mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica].to(model_device(model))
     rows_per_pass, _ = activations.probe_layout(settings)
     rows = mine[:min(settings.kl_probe_sequences, per_replica)]
     probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=rows_per_pass)

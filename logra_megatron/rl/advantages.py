@@ -64,6 +64,7 @@ def group_advantages(rewards: torch.Tensor, config: AdvantageConfig) -> torch.Te
 
     Returns a float32 tensor of the input's shape.
     """
+    # A list of rewards (host floats, tests) becomes a CPU tensor; a tensor keeps its device.
     rewards = torch.as_tensor(rewards)
     group_size = config.group_size
     if rewards.numel() % group_size != 0:

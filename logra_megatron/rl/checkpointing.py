@@ -27,8 +27,9 @@ from logra_megatron.faults import kill_point
 
 TRAINER_STATE_FILE = "trainer_state.json"
 TOKENIZER_DIR = "tokenizer"
-COMPATIBILITY_FLAGS = {"optimizer": "--optimizer", "logra_rank": "--logra-rank", "logra_master": "--logra-master",
-                       "logra_embeddings": "--logra-embeddings", "logra_update": "--logra-update"}
+COMPATIBILITY_FLAGS = {"optimizer": "--optimizer", "logra_rank": "--logra-rank", "logra_max_rank": "--logra-max-rank",
+                       "logra_master": "--logra-master", "logra_embeddings": "--logra-embeddings",
+                       "logra_update": "--logra-update"}
 """The optimizer settings whose state a resumed run reads; they must match the checkpoint's."""
 
 
@@ -38,6 +39,8 @@ def optimizer_compatibility(config) -> dict:
     if config.optimizer.kind == "logra":
         settings.update(logra_rank=config.logra.rank, logra_master=config.logra.master,
                         logra_embeddings=config.logra.embeddings, logra_update=config.logra.update)
+        if isinstance(config.logra.rank, float):  # the cap shapes the state of a fractional rank only
+            settings["logra_max_rank"] = config.logra.max_rank
     return settings
 
 

@@ -21,6 +21,7 @@ own unless ``--reward``) and checked against the task, all before any process gr
 import dataclasses
 import json
 import os
+import tempfile
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,6 +32,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models import PRESETS, ModelConfig
+from logra_megatron.models.config import ATTENTION_BACKENDS, resolve_attention_backend
 from logra_megatron.rl.advantages import AdvantageConfig
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
@@ -39,7 +41,7 @@ from logra_megatron.rl.tasks import PROVIDES_ANSWER, TaskConfig, TaskSource, bui
 from logra_megatron.rl.tokenizers import build_run_tokenizer
 from logra_megatron.rollout.engine import ROLLOUT_ENGINES, check_engine_available
 from logra_megatron.rollout.types import SamplingConfig
-from logra_megatron.schema import option
+from logra_megatron.schema import BadValue, option
 from logra_megatron.tokenizer import HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES
 from logra_megatron.training.config import KLControlConfig, LRScheduleConfig, OptimizerSettings, RecomputeConfig
 
@@ -69,6 +71,38 @@ def _check_output_directory(flag: str, path: Optional[str]) -> None:
     if not os.path.isdir(existing):
         where = "is a file" if existing == target else f"is inside {existing}, which is a file"
         raise UserError(f"{flag} {path} {where}; give a directory")
+    # Whether the run can write there, tried (permission bits do not say it: root passes them,
+    # and /proc or a read-only mount refuse anyway): a directory made and removed at once.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".logra-write-check-", dir=existing))
+    except OSError as error:
+        where = "" if existing == target else f" (in {existing})"
+        raise UserError(f"{flag} {path}: cannot create a directory there{where}: "
+                        f"{error.strerror or error}; give a writable directory") from None
+
+
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
+"""The signals ``--exit-signal`` may name (SIGKILL and SIGSTOP cannot be caught)."""
+
+
+def parse_exit_signals(text) -> str:
+    """``--exit-signal``: comma-separated signal names (``SIGTERM``, ``TERM`` or ``term``), as
+    ``SIGTERM,SIGUSR1``; a name outside :data:`EXIT_SIGNALS` is refused."""
+    if not isinstance(text, str):
+        raise BadValue("must be comma-separated signal names, e.g. SIGTERM,SIGUSR1")
+    names = []
+    for part in text.split(","):
+        name = part.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name not in EXIT_SIGNALS:
+            shown = part.strip()[:24] or "(empty)"
+            raise BadValue(f"{shown!r} is not one of {', '.join(EXIT_SIGNALS)}")
+        if name not in names:
+            names.append(name)
+    return ",".join(names)
+
+
+parse_exit_signals.__name__ = "signal list"
 
 
 @dataclass(frozen=True)
@@ -88,8 +122,14 @@ class ModelSourceConfig:
                                                            "e.g. 2 on the tiny preset)")
     num_query_groups: Optional[int] = option(None, help="key/value heads instead of the preset's (default with "
                                                         "--num-attention-heads: as many as heads)")
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
+                                    help="core attention of every layer (the policy's and the reference model's): "
+                                         "sdpa (torch's scaled_dot_product_attention: flash / memory-efficient "
+                                         "kernels on CUDA, no seq x seq scores in memory), unfused (Megatron's "
+                                         "DotProductAttention), auto (sdpa)")
 
     def __post_init__(self):
+        resolve_attention_backend(self.attention_backend)  # an unknown name is one UserError
         for name in ("num_attention_heads", "num_query_groups"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -208,6 +248,13 @@ class RunConfig:
     progress: bool = option(True, flag="--no-progress", negative=True, help="no progress bar (logs, CI)")
     max_consecutive_skips: int = option(10, help="stop (saving with --save) after N steps in a row skipped for "
                                                  "a non-finite loss, gradient or KL forecast (0: never)")
+    exit_signal_handler: bool = option(
+        True, flag="--no-exit-signal-handler", negative=True,
+        help="end at once on SIGTERM/SIGUSR1 (the signals' default action); by default, as Megatron's "
+             "--exit-signal-handler, such a signal (SLURM, Kubernetes, torchrun before a kill) lets the RL step "
+             "in flight finish, saves it (with --save) and exits 0")
+    exit_signal: str = option("SIGTERM,SIGUSR1", parse=parse_exit_signals,
+                              help="the signals that stop the run after the step in flight (comma-separated)")
 
     def __post_init__(self):
         _at_least(self, 1, "train_iters", "micro_batch_size", "eval_prompts", "log_interval")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from logra_megatron import parallel
+from logra_megatron.models.build import model_device
 from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from logra_megatron.rl.losses import PolicyLossConfig, aggregation_count, policy_loss
 from logra_megatron.rollout.types import Rollouts
@@ -34,21 +35,23 @@ _NORMALIZED_BY_BATCH_COUNT = ("loss", "pg_loss", "kl")
 _MAXIMA = ("ratio_max",)
 
 
-def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict):
+def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict, device: torch.device):
+    """The batch's rows in microbatches, each tensor on the model's ``device`` (a no-op for
+    rollouts an engine produced there; rewards and advantages come from the host)."""
     rows = rollouts.tokens.shape[0]
     for start in range(0, rows, micro_batch_size):
         part = slice(start, start + micro_batch_size)
         yield {
-            "tokens": rollouts.tokens[part],
-            "attention_mask": rollouts.attention_mask[part],
-            "position_ids": rollouts.position_ids[part],
-            "response_mask": rollouts.response_mask[part],
-            **{key: value[part] if value is not None else None for key, value in extra.items()},
+            "tokens": rollouts.tokens[part].to(device),
+            "attention_mask": rollouts.attention_mask[part].to(device),
+            "position_ids": rollouts.position_ids[part].to(device),
+            "response_mask": rollouts.response_mask[part].to(device),
+            **{key: value[part].to(device) if value is not None else None for key, value in extra.items()},
         }
 
 
 def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None):
-    batches = list(_microbatches(rollouts, micro_batch_size, extra or {}))
+    batches = list(_microbatches(rollouts, micro_batch_size, extra or {}, model_device(model)))
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -80,8 +83,9 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
 
     outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True, vocab_size=vocab_size)
     shape = (rollouts.tokens.shape[0], rollouts.tokens.shape[1] - 1)
-    logprobs = torch.zeros(shape)
-    entropy = torch.zeros(shape)
+    device = model_device(model)
+    logprobs = torch.zeros(shape, device=device)
+    entropy = torch.zeros(shape, device=device)
     if parallel.is_last_stage():
         logprobs = torch.cat([item["logprob"] for item in outputs])
         entropy = torch.cat([item["entropy"] for item in outputs])
@@ -98,10 +102,11 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
     batch (agreed on every rank): loss, pg_loss, clip_fraction, dual_clip_fraction, ratio_mean,
     ratio_max, entropy, kl (if on), tis_weight_mean (with ``--tis-cap`` and ``engine_logprobs``,
     the rollout engine's log-probs laid out like ``old_logprobs``)."""
-    response_tokens = rollouts.response_mask[:, 1:].float().sum().clamp(min=1)
+    device = model_device(model)
+    response_tokens = rollouts.response_mask[:, 1:].to(device).float().sum().clamp(min=1)
     # Megatron's DDP (and LoGRA's sketch reduction) average gradients over data-parallel
     # replicas, so each rank divides by the global count / dp: the average is the global mean.
-    count = aggregation_count(rollouts.response_mask[:, 1:], loss_config.loss_agg_mode).double()
+    count = aggregation_count(rollouts.response_mask[:, 1:].to(device), loss_config.loss_agg_mode).double()
     if parallel.dp_size() > 1:
         dist.all_reduce(count, group=parallel.dp_group())
     normalizer = float(count.clamp(min=1)) / parallel.dp_size()
@@ -152,13 +157,14 @@ def probe_rows(rollouts: Rollouts, count: int, offset: float = 0.0) -> torch.Ten
     shifts them by that fraction of the spacing: 0.5 gives rows between the probe's."""
     total = rollouts.tokens.shape[0]
     count = min(count, total)
-    return torch.div((torch.arange(count) + offset) * total, count, rounding_mode="floor").long()
+    spread = (torch.arange(count, device=rollouts.tokens.device) + offset) * total
+    return torch.div(spread, count, rounding_mode="floor").long()
 
 
 def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, vocab_size: Optional[int]) -> ProbeSet:
     """The KL controller's view of some rollouts: their own padding mask and positions, and
     the response positions (position t predicts token t + 1) as the tokens that count."""
-    mask = torch.zeros(len(rows), rollouts.tokens.shape[1])
+    mask = torch.zeros(len(rows), rollouts.tokens.shape[1], device=rollouts.tokens.device)
     mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
     return ProbeSet(tokens=rollouts.tokens[rows], mask=mask, attention_mask=rollouts.attention_mask[rows],
                     position_ids=rollouts.position_ids[rows], vocab_size=vocab_size,

@@ -207,8 +207,8 @@ def clipped_surrogate_loss(
             "clip_fraction": masked_token_sum((clipped < unclipped).to(ratio.dtype), mask) / count,
             "dual_clip_fraction": masked_token_sum(dual_clipped.to(ratio.dtype), mask) / count,
             "ratio_mean": masked_token_sum(ratio, mask) / count,
-            "ratio_max": selected.max() if selected.numel() else torch.ones((), dtype=ratio.dtype),
-            "ratio_min": selected.min() if selected.numel() else torch.ones((), dtype=ratio.dtype),
+            "ratio_max": selected.max() if selected.numel() else ratio.new_ones(()),
+            "ratio_min": selected.min() if selected.numel() else ratio.new_ones(()),
             "num_tokens": num_tokens,
         }
     return loss, metrics

@@ -28,7 +28,7 @@ def plan_settings(config, world_size: int, seq_length: int, optimizer: str) -> P
         micro_batch_size=micro, global_batch_size=(step_rows // micro) * micro * dp,
         seq_length=seq_length, recompute_granularity=recompute.granularity or "none",
         recompute_method=recompute.method, recompute_num_layers=recompute.num_layers,
-        reference_model=config.loss.kl_coef > 0,
+        attention_backend=config.model.attention_backend, reference_model=config.loss.kl_coef > 0,
         rollout=RolloutPlan(sequences_in_flight=-(-rollout_rows // dp), max_tokens=seq_length,
                             dtype_bytes=2 if config.model.bf16 else 4, separate_weights=False))
 

@@ -25,7 +25,7 @@ def kept_rows(rewards: torch.Tensor, group_size: int, dynamic_sampling: bool) ->
     groups whose rewards differ (DAPO). A replica left with none keeps its first group (its
     advantages are 0): every data-parallel rank must take part in each optimizer step's
     collectives, and a zero-advantage group adds nothing to the gradient."""
-    rows = torch.arange(rewards.numel())
+    rows = torch.arange(rewards.numel(), device=rewards.device)
     if not dynamic_sampling:
         return rows
     keep = (~tied_groups(rewards, group_size)).repeat_interleave(group_size)

@@ -196,6 +196,12 @@ class RewardRunner:
 def _serve_rewards(connection, reward_fn: RewardFn) -> None:
     """A worker's loop: score ``(record, text)`` items until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # So is preemption (a signal to the whole process group): the trainer finishes the step in
+    # flight, which may still need this worker (rl/preemption.py); the worker ends when the
+    # trainer stops it or dies (below). A handler, not SIG_IGN, so programs a reward execs (the
+    # sandbox) get the default action back.
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, _ignore)
     _die_with_the_trainer()
     while True:
         try:
@@ -207,6 +213,10 @@ def _serve_rewards(connection, reward_fn: RewardFn) -> None:
         except Exception as error:  # noqa: BLE001 -- any failure of the reward is the reply
             reply = ("error", f"{type(error).__name__}: {error}"[:300])
         connection.send(reply)
+
+
+def _ignore(_number, _frame) -> None:
+    pass
 
 
 def _die_with_the_trainer() -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from logra_megatron import parallel
+from logra_megatron.checkpoint_layout import iteration_dir
 from logra_megatron.errors import UserError
 from logra_megatron.faults import kill_point, nan_point
 from logra_megatron.logra.accounting import state_bytes
@@ -37,6 +38,7 @@ from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.minibatches import combine_steps, kept_rows, select_rows, split_minibatches, tied_groups
 from logra_megatron.rl.reward_runner import RewardRunner
 from logra_megatron.rl.rewards import get_reward
+from logra_megatron.rl.preemption import ExitSignalHandler
 from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
 from logra_megatron.rl.tasks import TaskSource, build_task_source
 from logra_megatron.rl.tokenizers import build_run_tokenizer
@@ -107,7 +109,16 @@ class Run:
 
 
 def train(config: TrainConfig) -> dict:
-    """Run the whole job; returns the summary (with ``summary_path`` on the logging rank)."""
+    """Run the whole job; returns the summary (with ``summary_path`` on the logging rank). From
+    the start, ``--exit-signal`` (SIGTERM, SIGUSR1) no longer ends the process at once: the RL
+    step in flight finishes, the run saves and returns (rl/preemption.py)."""
+    with ExitSignalHandler(config.run.exit_signal.split(","), enabled=config.run.exit_signal_handler) as handler:
+        return run_phases(config, handler)
+
+
+def run_phases(config: TrainConfig, exit_handler: ExitSignalHandler) -> dict:
+    """The phases of :func:`train`, one after another; at each RL step boundary every rank asks
+    ``exit_handler`` whether a signal came (the same answer everywhere)."""
     run = build(config)
     summary = run.state.summary
     summary["memory_plan_bytes"] = plan_summary(run.config, torch.distributed.get_world_size(), rollout_length(run))
@@ -132,6 +143,9 @@ def train(config: TrainConfig) -> dict:
         run.reference = frozen_reference(run)
     saved_step = None
     for step in range(run.state.step, config.run.train_iters):
+        if exit_handler.stop_requested():  # (a signal during the warm-up, or the step before)
+            break
+        run.controller.set_iteration(step)  # the KL budget's place on --kl-target-schedule
         kill_point("rl:step")  # (fault-injection tests only)
         metrics = rl_step(run, step)
         if not metrics["skipped"]:
@@ -145,11 +159,15 @@ def train(config: TrainConfig) -> dict:
             saved_step = run.state.step
         if should_exit(run):
             break
-    finished = run.state.step >= config.run.train_iters
+    preempted = exit_handler.stop_requested()
+    finished = run.state.step >= config.run.train_iters and not preempted
     if finished:
         record_accuracy(run, "held_out_accuracy_after", "after RL")
     if config.checkpoint.save and saved_step != run.state.step:
         save(run)
+    if preempted:
+        summary["preempted_by"] = preempted
+        run.logger.info(preemption_line(run, preempted))
     return write_summary(run, finished)
 
 
@@ -166,13 +184,14 @@ def build(config: TrainConfig) -> Run:
     tasks = build_task_source(config.task)
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
                                             dtype=_dtype(config), seed=config.run.seed,
-                                            recompute=config.recompute)
+                                            recompute=config.recompute,
+                                            attention_backend=config.model.attention_backend)
     state = TrainerState()
     if config.load_dir:
         state = TrainerState.from_checkpoint(load_training_state(
             config.load_dir, model, optimizer, optimizer_compatibility(config),
             load_optim=config.checkpoint.load_optim))
-    controller = PredictedKLController(config.kl)
+    controller = PredictedKLController(config.kl, train_iters=config.run.train_iters)
     controller.load_state_dict(state.controller)
     output_dir = config.run.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     logger = MetricsLogger(output_dir, config.run.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
@@ -259,7 +278,10 @@ def rl_step(run: Run, step: int) -> dict:
                         pad_id=tokenizer.pad_id, vocab_size=run.vocab, seed=seed)
     rollouts = run.engine.generate([tokenizer.encode(run.prompt_format.prompt(r)) for r in records], sampling)
     texts = [tokenizer.decode(c) for c in rollouts.completions()]
-    rewards = torch.tensor(run.reward.score_batch([records[i // group_size] for i in range(len(texts))], texts))
+    # Rewards are scored on the host (Python verifiers, the sandbox); the tensor serves the
+    # advantages and the loss, on the rollouts' device.
+    scores = run.reward.score_batch([records[i // group_size] for i in range(len(texts))], texts)
+    rewards = torch.tensor(scores, device=rollouts.tokens.device)
     reward_failures = run.reward.take_failures()  # (evaluation's are counted with the next step)
     if reward_failures["reward_failures"] and run.reward.recent_failures:
         run.logger.info(f"step {step}: {int(reward_failures['reward_failures'])} reward(s) failed and scored 0; "
@@ -285,7 +307,8 @@ def rl_step(run: Run, step: int) -> dict:
         ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab)
     steps = []
     for _epoch in range(config.loss.ppo_epochs):
-        for part in split_minibatches(torch.arange(batch.num_sequences), config.loss.num_minibatches):
+        for part in split_minibatches(torch.arange(batch.num_sequences, device=rollouts.tokens.device),
+                                      config.loss.num_minibatches):
             steps.append(optimizer_step(run, *select_rows(batch, part, batch_advantages, old_logprobs, ref_logprobs,
                                                           engine_logprobs)))
     control = combine_steps(steps)
@@ -397,6 +420,16 @@ def should_exit(run: Run) -> bool:
     return True
 
 
+def preemption_line(run: Run, signal_name: str) -> str:
+    """What a preempted run says last: where it stopped, what it saved and how to go on."""
+    step, root = run.state.step, run.config.checkpoint.save
+    if not root:
+        return (f"preempted by {signal_name}: stopped after iteration {step}; nothing was saved (no --save), "
+                "a new run starts over")
+    return (f"preempted by {signal_name}: stopped after iteration {step} and saved "
+            f"{iteration_dir(root, step)}; continue with --load {root}")
+
+
 def save(run: Run) -> None:
     config = run.config
     run.state.controller = run.controller.state_dict()
@@ -457,6 +490,7 @@ def rollout_length(run: Run) -> int:
 def supervised_batch(records, tokenizer, seq_length, prompt_format: Optional[PromptFormat] = None):
     """Right-padded ``prompt answer <eos>`` rows and a loss mask on the answer and EOS; the prompt
     and the answer as ``prompt_format`` shows them (default: bare problem text and answer)."""
+    # Built on the host from token lists; lm_forward_backward moves the batch to the model's device.
     tokens = torch.full((len(records), seq_length), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros(len(records), seq_length)
     for row, record in enumerate(records):
@@ -474,8 +508,9 @@ def frozen_reference(run: Run) -> torch.nn.Module:
     run, as it was at the resume point), for the KL-to-reference penalty."""
     model_config = run.config.model_config
     config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=_dtype(run.config))
-    reference = build_gpt_model(model_config, config, gpt_layer_spec(use_transformer_engine=False))
-    reference.load_state_dict(run.model.state_dict())
+    spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=run.config.model.attention_backend)
+    reference = build_gpt_model(model_config, config, spec)
+    reference.load_state_dict(run.model.state_dict())  # built on the policy's device
     for param in reference.parameters():
         param.requires_grad_(False)
     return reference.eval()

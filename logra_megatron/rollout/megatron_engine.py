@@ -16,8 +16,9 @@ at column ``P``: one prefill covers all prompts and the last prefill column hold
 last prompt token. Two things make a padded row compute exactly what the prompt alone would:
 
 * masks: pad keys are masked out for every query (prefill: causal OR pad key; decode: pad key),
-  through the boolean ``attention_mask`` (True = masked) that Megatron's local
-  ``DotProductAttention`` applies on top of its own handling. Transformer Engine's attention
+  through the boolean ``attention_mask`` (True = masked) that the local spec's core attention
+  (Megatron's ``DotProductAttention``, or ``SDPAttention``, models/sdpa_attention.py) applies on
+  top of its own handling. Transformer Engine's attention
   ignores that mask for causal/no-mask layers, so batches with unequal prompt lengths are refused
   with a clear error when a model is not built with the local layer spec.
 * positions: Megatron's rotary embedding is indexed by cache slot, the same for every row, which
@@ -67,15 +68,17 @@ from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.positions import padded_causal_mask, rope_positions
+from logra_megatron.models.sdpa_attention import SDPAttention
 from logra_megatron.rollout.sampling import sample_next
 from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
 
 
 def _honors_padding_mask(model) -> bool:
     """True when every attention layer of this stage applies an explicit boolean mask in both
-    prefill and decode (Megatron's local ``DotProductAttention`` does; TE's does not)."""
+    prefill and decode (Megatron's local ``DotProductAttention`` and ``SDPAttention`` do; TE's
+    does not)."""
     layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
-    return all(isinstance(layer, DotProductAttention) for layer in layers)
+    return all(isinstance(layer, (DotProductAttention, SDPAttention)) for layer in layers)
 
 
 def _stage_forward(model, tokens, position_ids, attention_mask, context=None):

@@ -97,7 +97,8 @@ def routes(optimizer, model: ModelConfig, untied_output: bool) -> Routes:
                           for entry in _entries(optimizer)})
     found = Routes()
     for name, count in rows.items():
-        for hf_name in hf_tensors(name, torch.zeros(count, 1), model):  # only the names are used
+        # Only the names are used: a meta tensor of the right shape holds no memory anywhere.
+        for hf_name in hf_tensors(name, torch.zeros(count, 1, device="meta"), model):
             found.projection_of[hf_name] = name
             found.targets[hf_name] = [hf_name]
             if hf_name == EMBEDDING_HF and model.tie_embeddings and untied_output:

@@ -192,8 +192,10 @@ def rollouts_from_completions(prompts: Sequence[Sequence[int]], completions: Lis
     for b, (completion, row_logprobs) in enumerate(zip(completions, logprobs)):
         if len(completion) > new:
             raise RuntimeError(f"the engine returned {len(completion)} tokens for a limit of {new}")
-        tokens[b, width:width + len(completion)] = torch.tensor(completion, dtype=torch.int64)
-        sampled_logprobs[b, width:width + len(completion)] = torch.tensor(row_logprobs, dtype=torch.float32)
+        # vLLM hands back Python lists: each row crosses to the trainer's device once.
+        tokens[b, width:width + len(completion)] = torch.tensor(completion, dtype=torch.int64, device=device)
+        sampled_logprobs[b, width:width + len(completion)] = torch.tensor(row_logprobs, dtype=torch.float32,
+                                                                          device=device)
         response_lengths[b] = len(completion)
         finished[b] = sampling.eos_id is not None and len(completion) > 0 and completion[-1] == sampling.eos_id
     return layout.rollouts(response_lengths, finished, int(response_lengths.max()), logprobs=sampled_logprobs)

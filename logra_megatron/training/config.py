@@ -12,6 +12,9 @@ OPTIMIZERS = ("adam", "logra")
 """Names of the optimizer registry (training/optimizer.py) that ``--optimizer`` accepts."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_MODES = ("off", "probe", "linear")
+KL_TARGET_SCHEDULES = ("constant", "linear", "cosine", "exponential")
+"""Shapes of the KL budget from ``--kl-target`` to ``--kl-target-final`` (training/kl_control.py:
+``scheduled_kl_target``); cosine is the reference implementation's."""
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -92,6 +95,20 @@ class KLControlConfig:
              "the engine's sampling distribution to the trainer's, estimated on the sampled tokens), "
              "floored at half the target, as the reference implementation does; needs an engine that "
              "returns log-probs")
+    target_final: Optional[float] = option(
+        None, flag="--kl-target-final",
+        help="the KL budget at the end of --kl-target-schedule (--kl-target is where it starts); the reference "
+             "implementation decays 2e-4 -> 2e-5 on a cosine")
+    target_schedule: str = option(
+        "constant", flag="--kl-target-schedule", choices=KL_TARGET_SCHEDULES,
+        help="shape of the KL budget over RL iterations, from --kl-target at the first to --kl-target-final at "
+             "the last of --kl-target-decay-iters, then held: constant (no schedule), linear, cosine (the "
+             "reference implementation's: half a cosine period), exponential (geometric); every optimizer step "
+             "of an iteration gets its iteration's budget")
+    target_decay_iters: Optional[int] = option(
+        None, flag="--kl-target-decay-iters",
+        help="RL iterations over which the budget moves from --kl-target to --kl-target-final (default: "
+             "--train-iters; the reference implementation's schedule spans 300)")
     mismatch_ema_weight: float = 0.3
     """Weight of the newest observation in the mismatch's EMA (the reference implementation's)."""
     linear_epsilon: float = 1e-3
@@ -116,6 +133,20 @@ class KLControlConfig:
             raise UserError(f"linear_epsilon must be in (0, 1], got {self.linear_epsilon}")
         if self.max_refinements < 0 or self.tolerance < 1:
             raise UserError("max_refinements must be >= 0 and tolerance >= 1")
+        if self.target_schedule not in KL_TARGET_SCHEDULES:
+            raise UserError(f"--kl-target-schedule must be one of {', '.join(KL_TARGET_SCHEDULES)}, "
+                            f"got {self.target_schedule!r}")
+        if self.target_final is not None and not self.target_final > 0:
+            raise UserError(f"--kl-target-final must be > 0, got {self.target_final}")
+        if self.target_decay_iters is not None and self.target_decay_iters < 1:
+            raise UserError(f"--kl-target-decay-iters must be >= 1, got {self.target_decay_iters}")
+        if self.target_schedule == "constant":
+            if self.target_final is not None or self.target_decay_iters is not None:
+                raise UserError("--kl-target-final and --kl-target-decay-iters need a --kl-target-schedule: linear, "
+                                "cosine (the reference implementation's) or exponential")
+        elif self.target_final is None:
+            raise UserError(f"--kl-target-schedule {self.target_schedule} needs --kl-target-final (where the "
+                            "budget ends; --kl-target is where it starts)")
 
 
 @dataclass(frozen=True)

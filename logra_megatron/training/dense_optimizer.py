@@ -23,6 +23,9 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
+from logra_megatron.platform import default_device
+from logra_megatron.platform.phases import phase
+
 
 def _tensor_bytes(values) -> int:
     """Bytes of the tensors among ``values``, recursing into dicts (per-parameter state)."""
@@ -65,19 +68,23 @@ class DenseOptimizer:
         inf or NaN: Megatron checks only under fp16 loss scaling, so the grad norm (agreed over
         the model-parallel and, sharded, the data-parallel ranks) is checked here too."""
         self._before = self._after = None
-        grad_norm = self._checked_clipped_norm()
+        with phase("grad_norm"):
+            grad_norm = self._checked_clipped_norm()
         if grad_norm is None:
             return False, None, None
-        return self.megatron.step_with_ready_grads(), grad_norm, None
+        with phase("dense_step"):
+            return self.megatron.step_with_ready_grads(), grad_norm, None
 
     def propose(self):
         """:meth:`step`, kept undoable (see the module docstring): returns ``(ok, grad_norm,
         num_zeros)``; the update is visible until :meth:`preview` or :meth:`commit` changes it."""
         self._before = self._after = None
-        grad_norm = self._checked_clipped_norm()
+        with phase("grad_norm"):
+            grad_norm = self._checked_clipped_norm()
         if grad_norm is None:
             return False, None, None
-        return self.propose_with_ready_grads(), grad_norm, None
+        with phase("dense_step"):
+            return self.propose_with_ready_grads(), grad_norm, None
 
     def _checked_clipped_norm(self):
         if self.prepare_grads() or self.grads_not_finite():
@@ -170,7 +177,8 @@ class DenseOptimizer:
         grads = [param.grad for inner in self._inner() for group in inner.optimizer.param_groups
                  for param in group["params"] if param.grad is not None]
         # One device-side reduction and one host sync, not one sync per tensor.
-        finite = torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads else torch.tensor(True)
+        finite = (torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads
+                  else torch.tensor(True, device=default_device()))
         flag = (~finite).float().reshape(1)  # on the grads' device (NCCL reduces device tensors)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank steps together
         return bool(flag.item() > 0)

@@ -29,14 +29,19 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    KL between the rollout engine's sampling distribution and the trainer's (observed on the
    batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
    the policy change the engine's numerics already add is not spent again by the step.
+   ``--kl-target-schedule`` moves ``kl_target`` itself over the RL iterations, from
+   ``--kl-target`` to ``--kl-target-final`` (:func:`scheduled_kl_target`; the reference
+   implementation's cosine 2e-4 -> 2e-5); the mismatch is subtracted from the scheduled value
+   and the floor is half of it. The trainer says which iteration runs (``set_iteration``).
 4. ``optimizer.commit(s)``. No master copy is ever read back from rounded model weights.
 5. Every ``realized_interval`` steps the KL of the committed step is measured on rows the probe
    did not see (``held_out``; the probe rows when none are given), so the forecast's
    calibration out of sample is visible (``kl_realized``).
 
 Extra memory: what ``optimizer.extra_bytes()`` reports (LoGRA: fp32 copies of the dense
-remainder before and after its step; dense Adam: of all its masters) and the logits of one probe
-microbatch at two scales.
+remainder before and after its step; dense Adam: of all its masters), the logits of one probe
+microbatch at two scales, and the full-vocabulary reductions' temporaries, taken over token
+chunks (``ops/budgets.py: KL_CHUNK_ELEMENTS``): three chunk-sized copies.
 """
 
 import math
@@ -47,13 +52,38 @@ from typing import Optional
 import torch
 
 from logra_megatron import parallel
+from logra_megatron.errors import UserError
 from logra_megatron.ops.vocab_parallel import masked_half_variance_sum, masked_kl_sum
+from logra_megatron.platform.phases import phase
 from logra_megatron.training.config import KLControlConfig
 from logra_megatron.training.lm import forward_logits
 from logra_megatron.training.optimizer import TrainingOptimizer
 
 BF16_LINEAR_EPSILON = 1.0
 """The linear forecast's step (a fraction of D) for models computing in bf16 or fp16."""
+
+
+def scheduled_kl_target(shape: str, start: float, final: Optional[float], iteration: int, decay_iters: int) -> float:
+    """The KL budget of RL iteration ``iteration`` (0-based) before any mismatch is subtracted:
+    ``start`` at iteration 0, ``final`` at iteration ``decay_iters - 1`` and after (the reference
+    implementation's convention: its endpoints are the first and the last update), with progress
+    ``p = min(iteration / max(decay_iters - 1, 1), 1)`` in between:
+
+    - constant: ``start``;
+    - linear: ``start + (final - start) p``;
+    - cosine: ``final + (start - final) (1 + cos(pi p)) / 2`` (the reference's);
+    - exponential: ``start (final / start)^p`` (the same factor every iteration).
+    """
+    if shape == "constant" or final is None:
+        return start
+    progress = min(max(iteration, 0) / max(decay_iters - 1, 1), 1.0)
+    if shape == "linear":
+        return start + (final - start) * progress
+    if shape == "cosine":
+        return final + 0.5 * (start - final) * (1.0 + math.cos(math.pi * progress))
+    if shape == "exponential":
+        return start * (final / start) ** progress
+    raise ValueError(f"unknown KL target schedule {shape!r}")
 
 
 @dataclass
@@ -85,22 +115,55 @@ class ProbeSet:
 class PredictedKLController:
     """Wraps an optimizer step with the forecast-and-scale procedure described above."""
 
-    def __init__(self, config: KLControlConfig):
+    def __init__(self, config: KLControlConfig, train_iters: int = 1):
+        """``train_iters``: the run's RL iterations, over which ``--kl-target-schedule`` runs
+        unless ``--kl-target-decay-iters`` says otherwise."""
         self.config = config
+        self.decay_iters = config.target_decay_iters or max(1, train_iters)
+        """RL iterations over which the budget moves from ``--kl-target`` to ``--kl-target-final``."""
+        self.iteration = 0
+        """The RL iteration whose steps run now (0-based; the trainer sets it): the schedule's position."""
         self.steps = 0
         """Controlled steps taken (it decides the steps that measure the realized KL)."""
         self.mismatch: Optional[float] = None
         """EMA of the observed engine-vs-trainer KL (``--kl-subtract-mismatch``; None: none seen)."""
 
+    def schedule(self) -> dict:
+        """The budget's schedule as a checkpoint records it."""
+        config = self.config
+        return {"shape": config.target_schedule, "start": config.target, "final": config.target_final,
+                "decay_iters": self.decay_iters}
+
     def state_dict(self) -> dict:
         """What a checkpoint keeps (rl/checkpointing.py): the step counter that decides which
-        steps measure the realized KL, and the mismatch's EMA."""
-        return {"steps": self.steps, "mismatch": self.mismatch}
+        steps measure the realized KL, the mismatch's EMA and the budget's schedule (the
+        iteration is the trainer's step, saved beside it)."""
+        return {"steps": self.steps, "mismatch": self.mismatch, "schedule": self.schedule()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's counters. A scheduled budget continues exactly only with the
+        schedule it started on: a resumed run whose schedule differs is a UserError."""
+        saved, ours = state.get("schedule"), self.schedule()
+        # (A constant budget may be changed on resume, as before schedules existed.)
+        if saved is not None and saved != ours and not saved.get("shape") == ours["shape"] == "constant":
+            raise UserError(f"the checkpoint's KL budget schedule is {_schedule_text(saved)}, this run's is "
+                            f"{_schedule_text(ours)}: resume with the checkpoint's --kl-target, --kl-target-final, "
+                            "--kl-target-schedule and --train-iters (or --kl-target-decay-iters) so the budget "
+                            "continues where it was")
         self.steps = int(state.get("steps", 0))
         mismatch = state.get("mismatch")
         self.mismatch = None if mismatch is None else float(mismatch)
+
+    def set_iteration(self, iteration: int) -> None:
+        """The RL iteration (0-based) whose optimizer steps come next: it places the budget on
+        its schedule."""
+        self.iteration = iteration
+
+    def target(self) -> float:
+        """``--kl-target`` as scheduled for the current iteration (:func:`scheduled_kl_target`)."""
+        config = self.config
+        return scheduled_kl_target(config.target_schedule, config.target, config.target_final, self.iteration,
+                                   self.decay_iters)
 
     def observe_mismatch(self, kl: float) -> None:
         """One batch's observed KL between the rollout engine and the trainer (the same value
@@ -113,9 +176,9 @@ class PredictedKLController:
         self.mismatch = kl if self.mismatch is None else weight * kl + (1.0 - weight) * self.mismatch
 
     def budget(self) -> float:
-        """The KL a step may cause: ``kl_target``, less the mismatch's EMA with
-        ``--kl-subtract-mismatch`` (never below half of ``kl_target``)."""
-        target = self.config.target
+        """The KL a step may cause: ``kl_target`` (as scheduled for this iteration), less the
+        mismatch's EMA with ``--kl-subtract-mismatch`` (never below half of that target)."""
+        target = self.target()
         if not self.config.subtract_mismatch or self.mismatch is None:
             return target
         return max(0.5 * target, target - self.mismatch)
@@ -133,7 +196,7 @@ class PredictedKLController:
             optimizer.preview(scale)
             new = probe.logits(model, part)
             if parallel.is_last_stage():
-                total += masked_kl_sum(old, new, probe.mask[part])
+                total += masked_kl_sum(old, new, probe.mask[part].to(old.device))
         optimizer.preview(0.0)
         return self._mean(total, probe)
 
@@ -149,9 +212,8 @@ class PredictedKLController:
                 epsilon = BF16_LINEAR_EPSILON
             optimizer.preview(epsilon)
             new = probe.logits(model, part)
-            if parallel.is_last_stage():
-                delta = (new.double() - old.double()) / epsilon
-                total += masked_half_variance_sum(old, delta, probe.mask[part])
+            if parallel.is_last_stage():  # delta = (new - old) / epsilon, taken chunk by chunk
+                total += masked_half_variance_sum(old, new, epsilon, probe.mask[part].to(old.device))
         optimizer.preview(0.0)
         return self._mean(total, probe)
 
@@ -228,8 +290,9 @@ class PredictedKLController:
         start = time.perf_counter()
         kl_pred, scale = None, 1.0
         if config.mode != "off":
-            linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
-            kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit)
+            with phase("kl_forecast"):
+                linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
+                kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit)
             if not math.isfinite(kl_pred):
                 # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
                 optimizer.discard()
@@ -238,12 +301,21 @@ class PredictedKLController:
                         "controller_extra_bytes": 0}
             scale = self._scale_for(kl_pred, self.max_scale(optimizer))
             if config.mode == "probe" and scale != 1.0:
-                scale = self._refine(model, optimizer, probe, scale, kl_pred)
+                with phase("kl_forecast"):
+                    scale = self._refine(model, optimizer, probe, scale, kl_pred)
         kl_realized = None
         if measure_realized:
-            kl_realized = self.kl(model, optimizer, held_out if held_out is not None else probe, scale)
+            with phase("kl_realized"):
+                kl_realized = self.kl(model, optimizer, held_out if held_out is not None else probe, scale)
         extra = optimizer.extra_bytes()
         overhead = time.perf_counter() - start
         optimizer.commit(scale)
         return {"success": success, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": scale,
                 "kl_realized": kl_realized, "controller_time_s": overhead, "controller_extra_bytes": extra}
+
+
+def _schedule_text(schedule: dict) -> str:
+    if schedule.get("shape") == "constant":
+        return f"constant {schedule.get('start')}"
+    return (f"{schedule.get('shape')} {schedule.get('start')} -> {schedule.get('final')} over "
+            f"{schedule.get('decay_iters')} iterations")

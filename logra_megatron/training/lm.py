@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
-from logra_megatron.models.build import causal_attention_mask, position_ids_for
+from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for
 from logra_megatron.models.positions import padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
 
@@ -40,12 +40,15 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     batch, length = tokens.shape
     if batch % micro_batch_size != 0:
         raise ValueError(f"batch {batch} is not a multiple of micro batch size {micro_batch_size}")
+    device = model_device(model)
+    tokens = tokens.to(device)
+    loss_mask = None if loss_mask is None else loss_mask.to(device)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.float)
     else:
         loss_mask = loss_mask[:, 1:].float()
-    mask = causal_attention_mask(length - 1)
+    mask = causal_attention_mask(length - 1, device=device)
     microbatches = [
         (inputs[i : i + micro_batch_size], labels[i : i + micro_batch_size],
          loss_mask[i : i + micro_batch_size])
@@ -85,6 +88,8 @@ def padded_forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, po
     (``position_ids``, 0 at the first real token), so it computes what its sequence alone
     would. On the last stage: vocab-parallel logits, the vocabulary padding masked when
     ``vocab_size`` is given."""
+    device = model_device(model)
+    tokens, attention_mask, position_ids = tokens.to(device), attention_mask.to(device), position_ids.to(device)
     with rope_positions(model, position_ids):
         output = model(tokens, position_ids, padded_causal_mask(attention_mask))
     return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
@@ -102,7 +107,8 @@ def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, at
     """
     batch, length = tokens.shape
     micro_batch_size = min(micro_batch_size or batch, batch)
-    causal = causal_attention_mask(length) if attention_mask is None else None
+    tokens = tokens.to(model_device(model))
+    causal = causal_attention_mask(length, device=tokens.device) if attention_mask is None else None
     parts = [slice(i, i + micro_batch_size) for i in range(0, batch, micro_batch_size)]
 
     def forward_step(data_iterator, model):

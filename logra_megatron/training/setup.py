@@ -23,18 +23,23 @@ from logra_megatron.training.optimizer import TrainingOptimizer, build_optimizer
 def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     logra_config: Optional[LogRAConfig] = None, dtype=torch.float32,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-                    seed: int = 1234, recompute: Optional[RecomputeConfig] = None):
+                    seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
+                    attention_backend: str = "auto"):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a
     :class:`~logra_megatron.training.optimizer.TrainingOptimizer`). The fresh weights are a
     function of ``seed`` alone, the same at every TP/PP layout. ``recompute``: activation
-    recomputation in the backward (default: none)."""
+    recomputation in the backward (default: none). ``attention_backend``: the layers' core
+    attention (``--attention-backend``: auto, sdpa or unfused)."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
     recompute = recompute or RecomputeConfig()
     recompute.check_layers(model_config.layers // pp)
     config = transformer_config(model_config, tp, pp, dtype=dtype, **recompute.transformer_kwargs())
-    spec = logra_layer_spec() if settings.kind == "logra" else gpt_layer_spec(use_transformer_engine=False)
+    if settings.kind == "logra":
+        spec = logra_layer_spec(attention_backend=attention_backend)
+    else:
+        spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend)
     model = build_gpt_model(model_config, config, spec)
     initialize_layout_independent(model, model_config.vocab, seed)
     if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:

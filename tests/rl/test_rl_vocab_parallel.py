@@ -60,3 +60,13 @@ def test_kl_matches_full_vocabulary(results):
         assert values["min_expected"] > 1e-3  # the two distributions really differ
         assert values["diff"] < 1e-12, values
         assert values["self_kl"] < 1e-12, values
+
+
+def test_the_kl_controllers_sums_in_token_chunks_equal_the_full_vocabulary_sums(results):
+    """ops/vocab_parallel.py masked_kl_sum / masked_half_variance_sum at TP2, chunks of two token
+    positions (the last one short) and one chunk: the same sums within fp64 rounding."""
+    for rank in RANKS:
+        values = result(results, "chunked_kl_sums", rank)
+        assert values["scale"] > 1e-2, values  # the distributions and the step really differ
+        for key in ("kl_chunked", "kl_whole", "var_chunked", "var_whole"):
+            assert values[key] < 1e-12, (key, values)

@@ -8,7 +8,7 @@ from common import Checks
 from logra_megatron import parallel
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
 from logra_megatron.models import build_gpt_model, get_preset
-from logra_megatron.models.weights import full_state, load_full_state
+from logra_megatron.models.weights import full_state, initialize_layout_independent, load_full_state
 from logra_megatron.convert.runtime import full_vocab_logits
 from logra_megatron.training.lm import lm_forward_backward
 
@@ -57,6 +57,25 @@ def main():
 
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
         checks.run(f"exact_tp{tp}_pp{pp}", compare_layout, tp, pp)
+
+
+    # --- fresh weights: the same at every layout (drawn on the process's device) -------------------
+    def fresh(tp, pp):
+        parallel.initialize(tp, pp, seed=3)
+        model = build_gpt_model(MODEL)
+        initialize_layout_independent(model, MODEL.vocab, seed=21)
+        return full_state(model)
+
+    fresh_tp1 = fresh(1, 1)
+
+    def compare_fresh(tp, pp):
+        state = fresh(tp, pp)
+        return {"names_equal": sorted(state) == sorted(fresh_tp1),
+                "max_abs_diff": max(float((state[name] - fresh_tp1[name]).abs().max()) for name in fresh_tp1),
+                "device": str(next(iter(state.values())).device)}
+
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        checks.run(f"fresh_tp{tp}_pp{pp}", compare_fresh, tp, pp)
 
 
     # --- dist checkpointing: save at TP=2, load elsewhere --------------------------------------------

@@ -13,6 +13,8 @@ from common import Checks
 
 from logra_megatron import parallel
 from logra_megatron.ops.vocab_parallel import (
+    masked_half_variance_sum,
+    masked_kl_sum,
     vocab_parallel_kl,
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_and_entropy,
@@ -116,6 +118,29 @@ def kl_matches_full_vocabulary():
             "min_expected": float(expected.min())}
 
 
+def chunked_kl_sums():
+    """The KL controller's masked sums on this rank's slice, in token chunks of 2 positions (15
+    positions: the last chunk is short) and in one chunk, against the full-vocabulary fp64 sums."""
+    logits_p, _, _, _ = inputs(torch.float64, seed=8)
+    logits_q = logits_p + 0.3 * inputs(torch.float64, seed=9)[0]
+    mask = (torch.arange(SEQ * BATCH).reshape(SEQ, BATCH) % 3 != 1).to(torch.float64)
+    log_p, log_q = F.log_softmax(logits_p, -1), F.log_softmax(logits_q, -1)
+    expected_kl = float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())
+    epsilon = 0.5
+    delta = (logits_q - logits_p) / epsilon
+    p = log_p.exp()
+    mean = (p * delta).sum(-1)
+    expected_var = float((0.5 * ((p * delta.square()).sum(-1) - mean.square()) * mask).sum())
+    local_p, local_q = logits_p[..., SLICE], logits_q[..., SLICE]
+    out = {}
+    for name, chunk in (("chunked", 2 * LOCAL), ("whole", 10**9)):
+        out[f"kl_{name}"] = abs(masked_kl_sum(local_p, local_q, mask, chunk_elements=chunk) - expected_kl)
+        out[f"var_{name}"] = abs(masked_half_variance_sum(local_p, local_q, epsilon, mask, chunk_elements=chunk)
+                                 - expected_var)
+    out["scale"] = min(abs(expected_kl), abs(expected_var))
+    return out
+
+
 checks.run("layout", lambda: {"tp": TP, "local_vocab": LOCAL})
 checks.run("float64", compare, torch.float64)
 checks.run("float32", compare, torch.float32, seed=1)
@@ -125,5 +150,6 @@ checks.run("logprob_only_gradient", logprob_only_gradient)
 checks.run("megatron_cross_entropy", matches_megatron_cross_entropy)
 checks.run("masked_vocabulary", masked_vocabulary_entries)
 checks.run("kl", kl_matches_full_vocabulary)
+checks.run("chunked_kl_sums", chunked_kl_sums)
 checks.save()
 parallel.destroy()

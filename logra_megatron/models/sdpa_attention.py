@@ -1,0 +1,188 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA): the layer
+spec's ``core_attention`` slot with ``--attention-backend sdpa`` (the default).
+
+Megatron's local ``DotProductAttention`` materializes the ``b x heads x s x s`` scores and keeps
+their softmax (fp32, and a bf16 copy) for the backward. SDPA's flash and memory-efficient kernels
+on CUDA work in tiles and keep only the output and the fp32 logsumexp (``b x heads x s``); on the
+CPU torch's flash kernel does the same with per-thread tiles. :class:`SDPAttention` takes the
+same constructor and forward arguments as ``DotProductAttention`` (query/key/value ``[s, b,
+heads, head_dim]`` on this TP rank, Megatron's boolean mask; output ``[sq, b, heads x
+head_dim]``) and computes the same function:
+
+- **Scale**: ``softmax_scale`` or ``1/sqrt(kv_channels)``. ``apply_query_key_layer_scaling``
+  divides the scores by the layer number and multiplies them back inside the softmax (an fp16
+  overflow guard of the unfused path): the net scale is unchanged, so it is not applied here.
+  The kernels keep the softmax statistics in fp32 whatever ``attention_softmax_in_fp32`` says.
+- **Masks** (Megatron's convention: True = masked): no mask and a causal layer, or a mask equal
+  to the causal one (the LM batches' :func:`~logra_megatron.models.build.causal_attention_mask`,
+  a left-padded batch without padding), run with ``is_causal=True``, which CUDA's flash kernel
+  serves. Any other mask (left-padded rollouts and probes, ``models/positions.py``; the KV-cache
+  decode's ``[b, 1, 1, sk]`` pad-key mask) becomes an additive bias: 0 where allowed, the
+  dtype's most negative finite value where masked. Where a row has a real key, the masked keys'
+  weights are exactly 0, as the unfused ``masked_fill(-10000)`` gives in fp32. A row with every
+  key masked (a left-padding query) sees the same huge value at every key, which swallows the
+  score in rounding: it attends uniformly, exactly what the unfused path computes there (all
+  scores -10000), and never NaN (an ``-inf`` mask would divide 0 by 0). Those rows feed nothing
+  that is kept, so they contribute no gradient either way.
+- **Decoding with the KV cache** (``StaticInferenceContext``): Megatron passes ``no_mask`` for the
+  one-query decode steps; without a mask a single query attends to every cached key, as the
+  unfused path does, and with the engine's pad-key mask it is applied as above.
+- **Grouped-query attention**: key and value are repeated to the query heads per group before
+  the call (as the unfused path does; CUDA's memory-efficient kernel, which masked batches need,
+  has no grouped form).
+
+The bias and the causal test are computed once per mask tensor and remembered on it: every
+layer of a forward (and every microbatch of the LM step) receives the same mask object, so the
+conversion and the test's host sync happen once per forward, and all layers' saved bias is one
+tensor rather than one per layer.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+
+_REMEMBERED = "_logra_sdpa_mask"
+"""The attribute of a mask tensor that holds what this module derived from it."""
+
+
+class _DerivedMask:
+    """What a boolean mask means to SDPA: whether it is the causal mask, and its additive bias
+    per dtype (created on first use). Valid while the mask is not modified in place."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.version = mask._version
+        self.causal = _is_causal(mask)
+        self.bias = {}
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """True when ``mask`` ([..., s, s], True = masked) masks exactly the future keys of every
+    query (a host sync on CUDA: once per mask)."""
+    queries, keys = mask.shape[-2:]
+    if queries != keys or queries == 1:
+        return False
+    future = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu_(1)
+    return torch.equal(mask, future.expand_as(mask))
+
+
+def derived_mask(mask: torch.Tensor) -> _DerivedMask:
+    """The remembered :class:`_DerivedMask` of ``mask`` (computed on first use, again after an
+    in-place change)."""
+    derived = getattr(mask, _REMEMBERED, None)
+    if derived is None or derived.version != mask._version:
+        derived = _DerivedMask(mask)
+        setattr(mask, _REMEMBERED, derived)
+    return derived
+
+
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias of ``mask`` in ``dtype``, shared by every layer that receives it: 0 where
+    the mask allows, the most negative finite ``dtype`` value where it masks (a fully masked row
+    stays finite and uniform, as in the unfused path; see the module docstring)."""
+    derived = derived_mask(mask)
+    if dtype not in derived.bias:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        derived.bias[dtype] = bias.masked_fill_(mask, torch.finfo(dtype).min)
+    return derived.bias[dtype]
+
+
+class SDPAttention(MegatronModule):
+    """``DotProductAttention``'s interface on ``torch.nn.functional.scaled_dot_product_attention``
+    (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention has no context parallelism (Megatron serves it with Transformer Engine)")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"SDPAttention computes the vanilla softmax, not softmax_type={config.softmax_type!r}")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ValueError("SDPAttention has no sliding-window attention; use --attention-backend unfused")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        # Heads on this TP rank, as DotProductAttention divides them (Attention passes a config
+        # with num_query_groups raised to the TP size when there are fewer groups than ranks).
+        world_size = pg_collection.tp.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
+                              if softmax_scale is None else softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("SDPAttention takes no packed sequences (Megatron serves them with Transformer Engine)")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention_bias")
+        queries, batch = query.shape[:2]
+        keys = key.shape[0]
+        repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if repeats > 1:  # [sk, b, groups, d] -> [sk, b, heads, d], each group's heads adjacent
+            key = key.repeat_interleave(repeats, dim=2)
+            value = value.repeat_interleave(repeats, dim=2)
+
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        bias, causal = None, False
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise TypeError(f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}")
+            causal = derived_mask(attention_mask).causal
+            if not causal:
+                bias = mask_bias(attention_mask, query.dtype)
+        elif mask_type == AttnMaskType.causal and queries > 1:
+            if queries != keys:
+                raise ValueError(f"a causal layer without a mask needs as many queries as keys, got {queries} "
+                                 f"and {keys} (pass the mask of a chunked prefill)")
+            causal = True
+
+        dropout = self.dropout_p if self.training else 0.0
+        # [s, b, heads, d] -> [b, heads, s, d]: views (the kernels take strided inputs).
+        q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            # The same RNG stream as DotProductAttention's dropout (different draws: another kernel).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
+                                                         is_causal=causal, scale=self.softmax_scale)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
+                                                     is_causal=causal, scale=self.softmax_scale)
+        # [b, heads, sq, d] -> [sq, b, heads x d]
+        return context.permute(2, 0, 1, 3).reshape(queries, batch, self.hidden_size_per_partition)

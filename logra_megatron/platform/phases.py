@@ -1,0 +1,64 @@
+"""Named phases of a training step, for the profiler and for a phase timer.
+
+``with phase("commit"): ...`` always opens a ``torch.profiler.record_function`` range (under a
+running profiler the phase is a labelled range of its trace; otherwise it costs a few
+microseconds). While a :class:`PhaseTimer` is active it also adds the phase's wall time to that
+timer, synchronizing the device before and after on CUDA so the time is the phase's kernels',
+not their launch. ``tools/benchmark_step_phases.py`` times a step this way; the optimizer, the
+KL controller and the benchmark mark the phases.
+"""
+
+import time
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+
+_active: Optional["PhaseTimer"] = None
+
+
+class PhaseTimer:
+    """``with PhaseTimer(device) as timer: ...`` then ``timer.seconds`` (total wall time per
+    phase name inside the block) and ``timer.calls`` (how often each ran). Phases may nest; a
+    nested phase's time is also in its parent's."""
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seconds: Dict[str, float] = {}
+        self.calls: Dict[str, int] = {}
+        self._outer: Optional[PhaseTimer] = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def __enter__(self):
+        global _active
+        self._outer, _active = _active, self
+        return self
+
+    def __exit__(self, *exc):
+        global _active
+        _active = self._outer
+        return False
+
+
+@contextmanager
+def phase(name: str):
+    """Mark a phase of a step (module docstring)."""
+    timer = _active
+    with torch.profiler.record_function(name):
+        if timer is None:
+            yield
+            return
+        timer.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            timer.sync()
+            timer.add(name, time.perf_counter() - start)

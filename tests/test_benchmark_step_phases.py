@@ -1,0 +1,50 @@
+"""tools/benchmark_step_phases.py on tiny, 2 timed steps: both optimizers' step times and every
+phase each of them runs, in one JSON object."""
+
+import json
+import os
+import subprocess
+import sys
+
+from dist_harness import REPO
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+DENSE_PHASES = {"zero_grad", "forward_backward", "optimizer_step", "grad_norm", "dense_step"}
+LOGRA_PHASES = DENSE_PHASES | {"sketch_reduce", "update_rule", "kl_forecast", "commit", "range_finder",
+                               "norm_probe_draw", "range_finder_arm"}
+
+
+def test_the_phases_of_both_optimizers_in_one_json_object():
+    proc = subprocess.run(
+        [sys.executable, "tools/benchmark_step_phases.py", "--preset", "tiny", "--bf16", "--logra-master", "bf16-sr",
+         "--logra-rank", "8", "--logra-embeddings", "--steps", "2", "--seq-length", "16", "--global-batch-size", "4",
+         "--micro-batch-size", "2", "--json"],
+        capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["settings"]["refresh_interval"] == 2 and report["settings"]["device"] == "cpu"
+    for side, expected in (("dense", DENSE_PHASES), ("logra", LOGRA_PHASES)):
+        result = report[side]
+        phases = result["phases_s"]
+        assert expected <= set(phases), (side, sorted(phases))
+        assert all(phases[name] > 0 for name in expected), (side, phases)
+        assert result["timed_steps"] == 2 and result["step_time_s"] > 0
+        assert result["step_time_s"] >= phases["forward_backward"]
+        for step in result["steps"]:
+            seconds = step["seconds"]
+            inner = sum(seconds.get(name, 0.0) for name in expected - {"zero_grad", "forward_backward",
+                                                                      "optimizer_step", "norm_probe_draw",
+                                                                      "range_finder_arm"})
+            assert inner <= seconds["optimizer_step"] + 1e-6
+            assert seconds["zero_grad"] + seconds["forward_backward"] + seconds["optimizer_step"] <= seconds["step"] + 1e-6
+    assert "kl_forecast" not in report["dense"]["phases_s"] and "commit" not in report["dense"]["phases_s"]
+    logra = report["logra"]
+    assert logra["refresh_steps"] == 1 and logra["refresh_step_time_s"] > logra["phases_s"]["range_finder"]
+    assert logra["step_time_without_kl_s"] < logra["step_time_s"]
+    assert set(report["ratio"]) >= {"step_time_s", "step_time_without_kl_s", "amortized_step_time_s"}
+
+
+def test_bad_input_is_one_error_line():
+    proc = subprocess.run([sys.executable, "tools/benchmark_step_phases.py", "--logra-master", "bf16-sr"],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --logra-master bf16-sr needs --bf16"

@@ -1,0 +1,209 @@
+"""The single-GPU verdict, measured: the largest model the planner says fits one GPU takes
+RL-shaped steps there, and the measured peak stands beside the plan.
+
+Each step is what the trainer's GRPO step does, on synthetic prompts and rewards (the step's
+memory and time do not depend on what the tokens mean): a Megatron-engine rollout of
+``--rollout-sequences`` sequences with the KV cache, the old-policy log-probs, the policy-loss
+backward (sketches written in the backward), the KL probe forecast and the commit. The model is
+LoGRA with bf16 weights and ``--logra-master bf16-sr`` (no fp32 master), sketched embeddings,
+fresh weights drawn on the device.
+
+``--preset auto`` (default) asks the planner, from the largest preset down, for the first that
+fits LoGRA on this GPU (``--gpu-memory-gib``, default: the device's), without recomputation or
+with full recomputation of every layer. The report holds the plan's total (state + step peak)
+beside CUDA's ``max_memory_allocated`` (on the CPU: the live state plus the peak of tracked
+allocations), and the planner's dense-Adam verdict for the same job.
+
+    python tools/single_gpu_rl_step.py --json                  # on a GPU
+    python tools/single_gpu_rl_step.py --preset tiny --seq-length 64 --rollout-max-tokens 8 --json
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from logra_megatron.cli import ArgumentParser  # noqa: E402
+from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
+from logra_megatron.models.config import PRESETS  # noqa: E402
+
+GIB = 1 << 30
+LARGEST_FIRST = ("qwen2.5-32b", "gemma-2-27b", "mistral-small-24b", "llama3-8b", "qwen2.5-7b",
+                 "qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "tiny")
+RECOMPUTE_CHOICES = ((), ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"))
+
+
+def parse_args(argv):
+    parser = ArgumentParser(prog="single_gpu_rl_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS))
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of the GPU to plan for (default: this device's; 141 on the CPU)")
+    parser.add_argument("--seq-length", type=int, default=2048, help="rollout width: prompt + new tokens")
+    parser.add_argument("--rollout-sequences", type=int, default=4, help="sequences per rollout (2 prompts x G)")
+    parser.add_argument("--rollout-max-tokens", type=int, default=32, help="new tokens per sequence")
+    parser.add_argument("--kl-probe-sequences", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.rollout_sequences % 2 or args.rollout_sequences < 2:
+        raise UserError("--rollout-sequences must be an even number >= 2 (prompts x 2 samples)")
+    if args.rollout_max_tokens >= args.seq_length:
+        raise UserError("--rollout-max-tokens must be below --seq-length (the prompt fills the rest)")
+    return args
+
+
+def plan_flags(args, preset: str, recompute: tuple, gpu_memory_gib: float) -> list:
+    """The planner's flags for this job (the same layout, precision, rollout and probe)."""
+    return ["--preset", preset, "--bf16", "--gpus", "1", "--gpu-memory-gib", str(gpu_memory_gib),
+            "--logra-master", "bf16-sr", "--logra-embeddings", "--kl-control", "probe",
+            "--kl-probe-sequences", str(args.kl_probe_sequences), "--micro-batch-size", "1",
+            "--global-batch-size", str(args.rollout_sequences), "--seq-length", str(args.seq_length),
+            "--rollout-sequences", str(args.rollout_sequences), "--rollout-max-tokens", str(args.seq_length),
+            "--rollout-engine-weights", "shared", *recompute]
+
+
+def plan(args, preset: str, recompute: tuple, gpu_memory_gib: float) -> dict:
+    command = [sys.executable, str(REPO / "tools" / "plan_memory.py"),
+               *plan_flags(args, preset, recompute, gpu_memory_gib), "--json"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    if proc.returncode != 0:
+        raise UserError(f"the planner failed for {preset}: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout)["plans"]
+
+
+def choose(args, gpu_memory_gib: float):
+    """``(preset, recompute flags, plans)``: the largest preset whose LoGRA plan fits."""
+    presets = LARGEST_FIRST if args.preset == "auto" else (args.preset,)
+    for preset in presets:
+        for recompute in RECOMPUTE_CHOICES:
+            plans = plan(args, preset, recompute, gpu_memory_gib)
+            if plans["logra"]["fits"] or args.preset != "auto":
+                return preset, recompute, plans
+    raise UserError(f"no preset fits LoGRA on a GPU of {gpu_memory_gib} GiB")
+
+
+def run_steps(args, preset: str, recompute: tuple) -> dict:
+    """Build on this process's device and take ``--steps`` RL-shaped steps; measured figures."""
+    import torch
+
+    from logra_megatron import parallel
+    from logra_megatron.logra import LogRAConfig
+    from logra_megatron.models import get_preset
+    from logra_megatron.platform import cuda_available
+    from logra_megatron.platform.memory import AllocationTracker
+    from logra_megatron.rl.advantages import AdvantageConfig, group_advantages
+    from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
+    from logra_megatron.rl.losses import PolicyLossConfig
+    from logra_megatron.rollout.megatron_engine import MegatronEngine
+    from logra_megatron.rollout.types import SamplingConfig
+    from logra_megatron.training.config import KLControlConfig, OptimizerSettings, RecomputeConfig
+    from logra_megatron.training.kl_control import PredictedKLController
+    from logra_megatron.training.measure import measure_components
+    from logra_megatron.training.setup import build_trainable
+
+    model_config = get_preset(preset)
+    parallel.initialize(1, 1, seed=args.seed)
+    on_cuda = cuda_available()
+    recompute_config = RecomputeConfig("full", "uniform", 1) if recompute else RecomputeConfig()
+    start = time.perf_counter()
+    model, ddp, optimizer = build_trainable(
+        model_config, OptimizerSettings(kind="logra", lr=1e-6, clip_grad=1.0),
+        LogRAConfig(master="bf16-sr", embeddings=True), dtype=torch.bfloat16, seed=args.seed,
+        recompute=recompute_config)
+    if on_cuda:
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+    device = next(model.parameters()).device
+    state_bytes = sum(measure_components(model, ddp, optimizer).values())  # LoGRA's state exists from the build
+    controller = PredictedKLController(KLControlConfig(mode="probe", realized_interval=0,
+                                                       probe_sequences=args.kl_probe_sequences))
+    engine = MegatronEngine(ddp)
+    prompt_length = args.seq_length - args.rollout_max_tokens
+    # Synthetic prompts and rewards, drawn on the CPU on purpose: host token lists, as a tokenizer gives them.
+    generator = torch.Generator().manual_seed(args.seed)
+    group = 2
+    advantage_config = AdvantageConfig(group_size=group)
+    step_seconds, controls = [], []
+
+    def rl_step(step):
+        prompts = torch.randint(0, model_config.vocab, (args.rollout_sequences // group, prompt_length),
+                                generator=generator).tolist()
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.rollout_max_tokens,
+                                  samples_per_prompt=group, seed=step, vocab_size=model_config.vocab)
+        rollouts = engine.generate(prompts, sampling)
+        rewards = torch.randint(0, 2, (rollouts.tokens.shape[0],), generator=generator).float().to(device)
+        advantages = group_advantages(rewards, advantage_config)
+        old_logprobs, _ = sequence_logprobs(ddp, rollouts, 1, 1.0, model_config.vocab)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        policy_loss_backward(ddp, rollouts, advantages, old_logprobs, 1, PolicyLossConfig(),
+                             vocab_size=model_config.vocab)
+        probe, held_out = probe_and_held_out(rollouts, args.kl_probe_sequences, 1, model_config.vocab)
+        return controller.step(ddp, optimizer, probe, held_out)
+
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tracker = None if on_cuda else AllocationTracker()
+    for step in range(args.steps):
+        start = time.perf_counter()
+        if tracker is not None and step == args.steps - 1:
+            with tracker:  # the profiler's allocation events (CPU): only the last step, it is slow
+                controls.append(rl_step(step))
+        else:
+            controls.append(rl_step(step))
+        if on_cuda:
+            torch.cuda.synchronize()
+        step_seconds.append(time.perf_counter() - start)
+    if on_cuda:
+        peak = torch.cuda.max_memory_allocated()
+        peak_source = "torch.cuda.max_memory_allocated"
+    else:
+        peak = state_bytes + tracker.peak_bytes
+        peak_source = "live state + peak of tracked allocations (CPU)"
+    return {"device": str(device), "build_s": build_s, "step_s": step_seconds, "measured_peak_bytes": int(peak),
+            "peak_source": peak_source, "state_bytes_after_build": int(state_bytes),
+            "kl_pred": [c["kl_pred"] for c in controls], "step_scale": [c["step_scale"] for c in controls],
+            "success": all(c["success"] for c in controls)}
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    from logra_megatron.platform import cuda_available
+
+    gpu_memory_gib = args.gpu_memory_gib
+    if gpu_memory_gib is None:
+        gpu_memory_gib = (torch.cuda.get_device_properties(0).total_memory / GIB) if cuda_available() else 141.0
+    preset, recompute, plans = choose(args, gpu_memory_gib)
+    measured = run_steps(args, preset, recompute)
+    planned = plans["logra"]["total_per_gpu_bytes"]
+    report = {
+        "preset": preset, "gpu_memory_gib": round(gpu_memory_gib, 1), "recompute": " ".join(recompute) or "none",
+        "seq_length": args.seq_length, "rollout_sequences": args.rollout_sequences,
+        "rollout_max_tokens": args.rollout_max_tokens, "planned_logra_bytes": planned,
+        "planned_logra_fits": plans["logra"]["fits"], "planned_dense_adam_bytes": plans["adam"]["total_per_gpu_bytes"],
+        "planned_dense_adam_fits": plans["adam"]["fits"], **measured,
+        "measured_over_planned": measured["measured_peak_bytes"] / planned,
+    }
+    report["within_5_percent"] = abs(report["measured_over_planned"] - 1.0) <= 0.05
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{preset} on {report['device']} (recompute: {report['recompute']}), built in {report['build_s']:.1f} s")
+    print(f"  LoGRA bf16-sr planned {planned / GIB:.2f} GiB, measured peak {report['measured_peak_bytes'] / GIB:.2f} GiB "
+          f"({report['peak_source']}): x{report['measured_over_planned']:.3f}")
+    print(f"  dense Adam planned {report['planned_dense_adam_bytes'] / GIB:.2f} GiB: "
+          f"{'fits' if report['planned_dense_adam_fits'] else 'does NOT fit'} in {gpu_memory_gib:.0f} GiB")
+    print("  step times: " + ", ".join(f"{s:.2f} s" for s in report["step_s"]))
+
+
+if __name__ == "__main__":
+    main()
