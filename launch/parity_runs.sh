@@ -13,7 +13,8 @@
 #                reference implementation's budget does (not in the default ROWS)
 # Environment: ROWS, LRS (the searched learning rates), SEARCH_SEED (the search's seed, apart from the
 # seeded runs' so that no lr is scored on the run that chose it), ITERS (smollm2: GRPO steps a run),
-# EXTRA (flags added to every run, e.g. EXTRA="--train-iters 3 --warmup-iters 5" to try the script).
+# EXTRA (flags added to every run, e.g. EXTRA="--train-iters 3 --warmup-iters 5" to try the script),
+# LR (seeded runs: this lr for every row instead of the search's best, e.g. to repeat an earlier table).
 #
 # Runs go one after another. A run whose summary.json exists is skipped, and an interrupted run
 # resumes from its last checkpoint (every run saves every SAVE_INTERVAL steps into its own
@@ -106,7 +107,9 @@ run_one() {  # run_one DIR ROW SEED LR: one run, resumable, skipped when finishe
   child=
   # What happened is in the summary: none (failed), finished, or stopped early (preempted).
   if [ ! -f "$dir/summary.json" ]; then
-    echo "$(date -u +%FT%TZ) FAILED $kind $row seed $seed lr $lr (see $dir/log.txt)" | tee -a "$out/progress.log"
+    local what="FAILED"
+    [ "$stop" = 1 ] && what="stopped by a signal"
+    echo "$(date -u +%FT%TZ) $what: $kind $row seed $seed lr $lr (see $dir/log.txt)" | tee -a "$out/progress.log"
   elif grep -q '"finished": true' "$dir/summary.json"; then
     rm -rf "$dir/ckpt"  # complete: its summary and metrics are what is kept
     echo "$(date -u +%FT%TZ) end $kind $row seed $seed lr $lr" | tee -a "$out/progress.log"
@@ -131,6 +134,7 @@ fi
 seeds=${*:-$default_seeds}
 declare -A best
 for row in $rows; do
+  if [ -n "${LR:-}" ]; then best[$row]=$LR; continue; fi
   best[$row]=$(python tools/plot_parity.py --runs "$out" --best-lr "$row") || {
     echo "error: no finished learning-rate search for $row: run 'bash launch/parity_runs.sh $kind $out search' first" >&2
     exit 2; }

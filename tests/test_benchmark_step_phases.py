@@ -29,6 +29,7 @@ def test_the_phases_of_both_optimizers_in_one_json_object():
         assert expected <= set(phases), (side, sorted(phases))
         assert all(phases[name] > 0 for name in expected), (side, phases)
         assert result["timed_steps"] == 2 and result["step_time_s"] > 0
+        assert set(result["cpu"]["phases_s"]) == set(phases) and result["cpu"]["step_time_s"] > 0
         assert result["step_time_s"] >= phases["forward_backward"]
         for step in result["steps"]:
             seconds = step["seconds"]
@@ -41,7 +42,7 @@ def test_the_phases_of_both_optimizers_in_one_json_object():
     logra = report["logra"]
     assert logra["refresh_steps"] == 1 and logra["refresh_step_time_s"] > logra["phases_s"]["range_finder"]
     assert logra["step_time_without_kl_s"] < logra["step_time_s"]
-    assert set(report["ratio"]) >= {"step_time_s", "step_time_without_kl_s", "amortized_step_time_s"}
+    assert set(report["ratio"]) >= {"step_time_s", "step_time_without_kl_s", "amortized_step_time_s", "cpu"}
 
 
 def test_bad_input_is_one_error_line():

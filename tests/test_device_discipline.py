@@ -28,6 +28,9 @@ CPU_MEANT = {
     ("tools/benchmark_optimizer.py", "run_child", "Generator"):
         "the benchmark batch's token ids, drawn on the CPU (the same on every device kind), moved once",
     ("tools/benchmark_optimizer.py", "run_child", "randint"): "the same benchmark batch",
+    ("tools/benchmark_step_phases.py", "run_child", "Generator"):
+        "the timed batch's token ids, drawn on the CPU (the same on every device kind), moved once",
+    ("tools/benchmark_step_phases.py", "run_child", "randint"): "the same timed batch",
     ("logra_megatron/rl/trainer.py", "supervised_batch", "full"):
         "the warm-up batch is assembled on the host from token lists; lm_forward_backward moves it",
     ("logra_megatron/rl/trainer.py", "supervised_batch", "zeros"): "its loss mask, assembled with it on the host",
@@ -44,6 +47,9 @@ CPU_MEANT = {
     ("tools/benchmark_policy_sync.py", "run", "Generator"):
         "the benchmark's token ids, drawn on the CPU; lm_forward_backward moves them",
     ("tools/benchmark_policy_sync.py", "run", "randint"): "the same token ids",
+    ("tools/single_gpu_rl_step.py", "run_steps", "Generator"):
+        "synthetic prompts as host token lists (a tokenizer's output) and rewards as a host verifier gives them",
+    ("tools/single_gpu_rl_step.py", "rl_step", "randint"): "the same synthetic prompts and rewards",
     ("tools/kl_control_demo.py", "main", "Generator"):
         "the demo's token ids, drawn on the CPU; the forward passes move them to the model's device",
     ("tools/kl_control_demo.py", "main", "randint"): "the same token ids",

@@ -43,7 +43,7 @@ def test_every_stage_reports_ok_in_cpu_mode(cpu_report):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = {stage.name for stage in _load_tool().stages(True, out, sys.executable)}
     assert set(statuses) == expected
-    assert {"pytest_gpu_marked", "smoke_adam", "smoke_logra", "big", "speed", "rl_20_steps",
+    assert {"pytest_gpu_marked", "smoke_adam", "smoke_logra", "big", "build_7b", "speed", "rl_20_steps",
             "pytest_single_process"} <= expected
     assert sorted(path.name for path in out.iterdir()) == ["report.json", "report.md", "stages.log"]
 

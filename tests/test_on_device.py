@@ -115,3 +115,45 @@ def test_the_walk_finds_a_tensor_left_on_another_device():
     entry = optimizer.sketch_buffer.weights[0]
     entry.sketch.projection = entry.sketch.projection.to("meta")
     assert misplaced(state_tensors(model, optimizer), default_device()) == [f"projection {entry.name}: meta"]
+
+
+def tp2_shards_equal_tp1(monkeypatch) -> dict:
+    """Fresh weights at TP=2, emulated in one process: each TP rank's shard of every
+    tensor-parallel parameter (drawn as that rank draws it) against the same slice of the TP=1
+    model's fresh parameter. Returns the worst difference by name (all 0.0 when equal)."""
+    from logra_megatron.models.weights import fresh_shard, global_indices
+
+    parallel.initialize(1, 1, seed=1234)
+    model, _, _ = build_trainable(MODEL, OptimizerSettings(kind="adam"), seed=17)
+    worst = {}
+    for name, param in model.named_parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            continue
+        dim = param.partition_dim
+        for rank in range(2):
+            monkeypatch.setattr(parallel, "tp_size", lambda: 2)
+            monkeypatch.setattr(parallel, "tp_rank", lambda rank=rank: rank)
+            shape = list(param.shape)
+            shape[dim] //= 2
+            stand_in = torch.empty(shape, dtype=param.dtype, device=param.device)
+            stand_in.tensor_model_parallel, stand_in.partition_dim = True, dim
+            shard = fresh_shard(stand_in, name, name, MODEL.vocab, 17, 0.02, MODEL.layers)
+            rows = global_indices(stand_in, name, dim)  # where this rank's slice sits in the full tensor
+            monkeypatch.undo()
+            expected = param.detach().index_select(dim, rows)
+            worst[name] = max(worst.get(name, 0.0), float((shard - expected).abs().max()))
+    return worst
+
+
+def test_fresh_weights_of_an_emulated_tp2_rank_equal_tp1():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        worst = tp2_shards_equal_tp1(monkeypatch)
+    assert worst and set(worst.values()) == {0.0}, worst
+
+
+@pytest.mark.gpu
+def test_fresh_weights_of_an_emulated_tp2_rank_equal_tp1_on_cuda():
+    assert default_device().type == "cuda"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        worst = tp2_shards_equal_tp1(monkeypatch)
+    assert worst and set(worst.values()) == {0.0}, worst

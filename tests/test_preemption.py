@@ -90,7 +90,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     in the next step's collectives)."""
     ckpt = tmp_path / "ckpt"
     proc = train([*RUN, "--warmup-iters", "0", "--output-dir", str(tmp_path / "out"), "--save", str(ckpt)],
-                 signal_at="rl:step:2@1", nproc=2)
+                 signal_at="rl:step:2@1", nproc=2, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "preempted by SIGTERM: stopped after iteration 2" in proc.stdout, proc.stdout[-3000:]
     assert iterations(ckpt) == ["iter_0000002"]

@@ -130,3 +130,17 @@ def test_the_commit_transient_is_the_planners(monkeypatch):
         optimizer.masters.apply(optimizer.proposal.update, 1e-3, 0.1, step_count=4)
     planned = block * (FP32 + 3 * INT64)
     assert planned <= tracked.peak_bytes <= 1.15 * planned, (tracked.peak_bytes, planned)
+
+
+@pytest.mark.gpu
+def test_the_rounding_on_cuda_has_the_bits_of_the_cpu():
+    """On an accelerator the non-finite fix-up runs without a host sync: the same bits (a NaN is
+    a NaN; its bit pattern is the device's bf16 conversion's)."""
+    values = _values()
+    index = torch.arange(values.numel(), dtype=torch.int64).reshape(values.shape) + (5 << 40)
+    expected = rounding.stochastic_round_to_bf16(values, index, 1234)
+    got = rounding.stochastic_round_to_bf16(values.cuda(), index.cuda(), 1234,
+                                            index_limit=(5 << 40) + values.numel()).cpu()
+    nan = values.isnan()
+    assert got[nan].isnan().all()
+    assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))

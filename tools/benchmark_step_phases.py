@@ -27,9 +27,10 @@ The refresh interval is ``--logra-refresh-interval`` (default: ``--steps``, so t
 refreshes and the range finder is timed). Per side: each phase's median over the timed steps it
 ran in, ``step_time_s`` (median over the timed steps that did not refresh), ``refresh_step_time_s``
 (a refresh step), ``amortized_step_time_s`` (a step with a refresh every 10 steps, the trainer's
-default) and ``step_time_without_kl_s`` (the step less its KL forecast); the dense side runs as
-users run Megatron's Adam (``--kl-control off``). The parent prints a table, or with ``--json``
-one object ``{"settings", "dense", "logra", "ratio"}``.
+default) and ``step_time_without_kl_s`` (the step less its KL forecast), in wall time and, under
+``cpu``, in the process's CPU time (all threads; less disturbed by other jobs on a shared
+machine); the dense side runs as users run Megatron's Adam (``--kl-control off``). The parent
+prints a table, or with ``--json`` one object ``{"settings", "dense", "logra", "ratio"}``.
 """
 
 import json
@@ -155,40 +156,42 @@ def run_child(args) -> dict:
             loss, control = step()
         if not control["success"]:
             raise UserError(f"the {args.child} step was skipped (a non-finite gradient or forecast)")
-        per_step.append({"refresh": refreshing, "seconds": dict(timer.seconds)})
-    return summarize(per_step, loss)
+        per_step.append({"refresh": refreshing, "seconds": dict(timer.seconds),
+                         "cpu_seconds": dict(timer.cpu_seconds)})
+    wall, cpu = summarize(per_step, "seconds"), summarize(per_step, "cpu_seconds")
+    return {**wall, "cpu": cpu, "timed_steps": len(per_step),
+            "refresh_steps": sum(entry["refresh"] for entry in per_step), "final_loss": loss, "steps": per_step}
 
 
-def summarize(per_step: list, loss: float) -> dict:
-    """The medians of the timed steps (module docstring)."""
+def summarize(per_step: list, key: str) -> dict:
+    """The medians of the timed steps' ``key`` figures (wall ``seconds`` or ``cpu_seconds``;
+    module docstring)."""
     def median(values):
         return statistics.median(values) if values else None
 
     phases = {}
     for name in PHASES:
-        values = [entry["seconds"][name] for entry in per_step if name in entry["seconds"]]
+        values = [entry[key][name] for entry in per_step if name in entry[key]]
         if values:
             phases[name] = median(values)
     for entry in per_step:
-        seconds = entry["seconds"]
+        seconds = entry[key]
         seconds["other"] = seconds["step"] - sum(seconds.get(name, 0.0) for name in TOP_PHASES)
         seconds["optimizer_other"] = seconds["optimizer_step"] - sum(seconds.get(name, 0.0)
                                                                      for name in OPTIMIZER_PHASES)
-    phases["optimizer_other"] = median([entry["seconds"]["optimizer_other"] for entry in per_step])
-    phases["other"] = median([entry["seconds"]["other"] for entry in per_step])
-    plain = [entry["seconds"]["step"] for entry in per_step if not entry["refresh"]]
-    refreshing = [entry["seconds"]["step"] for entry in per_step if entry["refresh"]]
-    without_kl = [entry["seconds"]["step"] - entry["seconds"].get("kl_forecast", 0.0)
+    phases["optimizer_other"] = median([entry[key]["optimizer_other"] for entry in per_step])
+    phases["other"] = median([entry[key]["other"] for entry in per_step])
+    plain = [entry[key]["step"] for entry in per_step if not entry["refresh"]]
+    refreshing = [entry[key]["step"] for entry in per_step if entry["refresh"]]
+    without_kl = [entry[key]["step"] - entry[key].get("kl_forecast", 0.0)
                   for entry in per_step if not entry["refresh"]] or \
-        [entry["seconds"]["step"] - entry["seconds"].get("kl_forecast", 0.0) for entry in per_step]
+        [entry[key]["step"] - entry[key].get("kl_forecast", 0.0) for entry in per_step]
     step_time = median(plain) if plain else median(refreshing)
     refresh_time = median(refreshing)
     amortized = step_time if refresh_time is None else \
         step_time + (refresh_time - step_time) / TRAINER_REFRESH_INTERVAL
     return {"phases_s": phases, "step_time_s": step_time, "step_time_without_kl_s": median(without_kl),
-            "refresh_step_time_s": refresh_time, "amortized_step_time_s": amortized,
-            "timed_steps": len(per_step), "refresh_steps": len(refreshing), "final_loss": loss,
-            "steps": per_step}
+            "refresh_step_time_s": refresh_time, "amortized_step_time_s": amortized}
 
 
 def run_parent(args) -> dict:
@@ -201,6 +204,8 @@ def run_parent(args) -> dict:
             [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", kind], kind)
     dense, logra = results["dense"], results["logra"]
     ratio = {key: logra[key] / dense[key] for key in TIMES if logra.get(key) and dense.get(key)}
+    ratio["cpu"] = {key: logra["cpu"][key] / dense["cpu"][key] for key in TIMES
+                    if logra["cpu"].get(key) and dense["cpu"].get(key)}
     settings = {"preset": args.preset, "rank": args.logra_rank, "max_rank": args.logra_max_rank,
                 "bf16": args.bf16, "logra_master": args.logra_master, "logra_embeddings": args.logra_embeddings,
                 "kl_control": args.kl_control, "kl_probe_sequences": args.kl_probe_sequences,
@@ -224,19 +229,26 @@ def print_table(report) -> None:
           f"{'sketched' if s['logra_embeddings'] else 'dense'}, kl-control {s['kl_control']}  "
           f"{s['global_batch_size']} x {s['seq_length']} tokens, {s['steps']} timed steps "
           f"(refresh every {s['refresh_interval']})")
-    print(f"{'phase (median s)':<28}{'dense Adam':>12}{'LoGRA':>12}")
-    shown = PHASES + ("optimizer_other", "other")
-    for name in shown:
-        dense, logra = report["dense"]["phases_s"].get(name), report["logra"]["phases_s"].get(name)
-        if dense is None and logra is None:
+    dense, logra = report["dense"], report["logra"]
+    print(f"{'median s (wall | CPU)':<26}{'dense Adam':>11}{'LoGRA':>11}  |{'dense Adam':>11}{'LoGRA':>11}")
+    shown = (("zero_grad", 0),) + tuple((name, 1) for name in ZERO_GRAD_PHASES) + \
+        (("forward_backward", 0), ("optimizer_step", 0)) + \
+        tuple((name, 1) for name in OPTIMIZER_PHASES + ("optimizer_other",)) + (("other", 0),)
+    for name, depth in shown:
+        figures = [side["phases_s"].get(name) for side in (dense, logra, dense["cpu"], logra["cpu"])]
+        if figures[0] is None and figures[1] is None:
             continue
-        indent = "  " if name in OPTIMIZER_PHASES + ZERO_GRAD_PHASES + ("optimizer_other",) else ""
-        print(f"{indent + name:<28}{_seconds(dense):>12}{_seconds(logra):>12}")
-    print(f"{'step time (median s)':<28}{'dense Adam':>12}{'LoGRA':>12}{'LoGRA/dense':>13}")
+        print(f"{'  ' * depth + name:<26}{_seconds(figures[0]):>11}{_seconds(figures[1]):>11}  |"
+              f"{_seconds(figures[2]):>11}{_seconds(figures[3]):>11}")
+    print(f"{'':<26}{'dense Adam':>11}{'LoGRA':>11}{'ratio':>7}  |{'dense Adam':>11}{'LoGRA':>11}{'ratio':>7}")
     for key in TIMES:
-        ratio = report["ratio"].get(key)
-        print(f"{key:<28}{_seconds(report['dense'].get(key)):>12}{_seconds(report['logra'].get(key)):>12}"
-              f"{'-' if ratio is None else f'{ratio:.2f}':>13}")
+        wall, cpu = report["ratio"].get(key), report["ratio"]["cpu"].get(key)
+        print(f"{key:<26}{_seconds(dense.get(key)):>11}{_seconds(logra.get(key)):>11}{_ratio(wall):>7}  |"
+              f"{_seconds(dense['cpu'].get(key)):>11}{_seconds(logra['cpu'].get(key)):>11}{_ratio(cpu):>7}")
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _seconds(value) -> str:

@@ -121,6 +121,10 @@ def big_passed(figures: dict) -> Optional[str]:
     return None if figures.get("success") else "a step did not commit"
 
 
+def build_passed(figures: dict) -> Optional[str]:
+    return None if figures["build_s"] < 30 else f"built in {figures['build_s']:.1f} s (the aim: under 30 s)"
+
+
 def phases_figures(output: str) -> dict:
     return last_json(output)
 
@@ -148,6 +152,8 @@ def stages(cpu: bool, scratch: Path, python: str) -> List[Stage]:
         Stage("big", [python, f"{tools}/single_gpu_rl_step.py", "--json",
                       *(["--preset", "tiny", "--seq-length", "64", "--rollout-max-tokens", "8"] if cpu else [])],
               300, last_json, big_passed),
+        Stage("build_7b", [python, f"{tools}/single_gpu_rl_step.py", "--steps", "0", "--json",
+                           "--preset", "tiny" if cpu else "qwen2.5-7b"], 120, last_json, build_passed),
         Stage("speed", [python, f"{tools}/benchmark_step_phases.py", "--preset", speed_preset, "--bf16",
                         "--logra-master", "bf16-sr", "--logra-embeddings", "--kl-control", "probe", "--steps", "2",
                         *sizes, "--json"], 240, phases_figures),

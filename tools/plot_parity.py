@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.rl.evaluation import wilson_interval  # noqa: E402
 
 ROWS = ("logra", "adam-kl", "adam", "logra-decay")
 LABELS = {"logra": "LoGRA", "adam-kl": "dense Adam, same KL control", "adam": "dense Adam, no control",
@@ -253,6 +252,8 @@ def verdict_text(first: str, second: str, paired: dict) -> str:
 
 def pooled(results: List[dict], key: str) -> dict:
     """Accuracy over all seeds' held-out answers, with its Wilson interval."""
+    from logra_megatron.rl.evaluation import wilson_interval  # (imports torch: not for --best-lr)
+
     problems = sum(run["problems"] or 0 for run in results)
     if not problems:
         return {}

@@ -47,10 +47,15 @@ def parse_args(argv):
     parser.add_argument("--rollout-sequences", type=int, default=4, help="sequences per rollout (2 prompts x G)")
     parser.add_argument("--rollout-max-tokens", type=int, default=32, help="new tokens per sequence")
     parser.add_argument("--kl-probe-sequences", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="RL-shaped steps (0: build only, timed)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--plan-table", action="store_true",
+                        help="no model: the planner's verdicts, preset by preset, for one 80 GiB and one 141 GiB "
+                             "GPU (markdown; JSON with --json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.steps < 0:
+        raise UserError("--steps must be >= 0")
     if args.rollout_sequences % 2 or args.rollout_sequences < 2:
         raise UserError("--rollout-sequences must be an even number >= 2 (prompts x 2 samples)")
     if args.rollout_max_tokens >= args.seq_length:
@@ -149,7 +154,7 @@ def run_steps(args, preset: str, recompute: tuple) -> dict:
 
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    tracker = None if on_cuda else AllocationTracker()
+    tracker = None if on_cuda or args.steps == 0 else AllocationTracker()
     for step in range(args.steps):
         start = time.perf_counter()
         if tracker is not None and step == args.steps - 1:
@@ -163,6 +168,8 @@ def run_steps(args, preset: str, recompute: tuple) -> dict:
     if on_cuda:
         peak = torch.cuda.max_memory_allocated()
         peak_source = "torch.cuda.max_memory_allocated"
+    elif tracker is None or args.steps == 0:
+        peak, peak_source = state_bytes, "live state after the build (CPU, no step taken)"
     else:
         peak = state_bytes + tracker.peak_bytes
         peak_source = "live state + peak of tracked allocations (CPU)"
@@ -172,9 +179,40 @@ def run_steps(args, preset: str, recompute: tuple) -> dict:
             "success": all(c["success"] for c in controls)}
 
 
+def plan_table(args) -> list:
+    """Per preset and GPU size: LoGRA (bf16-sr, sketched embeddings; full recomputation only
+    where it is needed to fit) and dense Adam (bf16 with fp32 masters) for the same job."""
+    rows = []
+    for preset in LARGEST_FIRST[:-1]:
+        for gib in (80, 141):
+            for recompute in RECOMPUTE_CHOICES:
+                plans = plan(args, preset, recompute, gib)
+                if plans["logra"]["fits"]:
+                    break
+            rows.append({"preset": preset, "gpu_memory_gib": gib, "recompute": "full" if recompute else "none",
+                         "logra_bytes": plans["logra"]["total_per_gpu_bytes"], "logra_fits": plans["logra"]["fits"],
+                         "dense_adam_bytes": plans["adam"]["total_per_gpu_bytes"], "dense_adam_fits": plans["adam"]["fits"]})
+    return rows
+
+
+def print_plan_table(rows: list) -> None:
+    print("| preset | GPU | recompute | LoGRA bf16-sr, planned | dense Adam, planned | measured on a GPU |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        def verdict(total, fits):
+            return f"{total / GIB:.1f} GiB ({'fits' if fits else 'does not fit'})"
+        print(f"| {row['preset']} | {row['gpu_memory_gib']} GiB | {row['recompute']} | "
+              f"{verdict(row['logra_bytes'], row['logra_fits'])} | "
+              f"{verdict(row['dense_adam_bytes'], row['dense_adam_fits'])} | not measured on a GPU yet |")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.plan_table:
+        rows = plan_table(args)
+        print(json.dumps(rows)) if args.json else print_plan_table(rows)
+        return
     import torch
 
     from logra_megatron.platform import cuda_available

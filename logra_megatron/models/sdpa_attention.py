@@ -22,8 +22,9 @@ head_dim]``) and computes the same function:
   weights are exactly 0, as the unfused ``masked_fill(-10000)`` gives in fp32. A row with every
   key masked (a left-padding query) sees the same huge value at every key, which swallows the
   score in rounding: it attends uniformly, exactly what the unfused path computes there (all
-  scores -10000), and never NaN (an ``-inf`` mask would divide 0 by 0). Those rows feed nothing
-  that is kept, so they contribute no gradient either way.
+  scores -10000), and never NaN (with ``-inf`` some kernels divide 0 by 0, others return 0).
+  The losses weigh those positions by 0, so no gradient comes back through them (if one did,
+  the bias would pass it on to q and k, where the unfused ``masked_fill`` stops it).
 - **Decoding with the KV cache** (``StaticInferenceContext``): Megatron passes ``no_mask`` for the
   one-query decode steps; without a mask a single query attends to every cached key, as the
   unfused path does, and with the engine's pad-key mask it is applied as above.
@@ -31,10 +32,13 @@ head_dim]``) and computes the same function:
   the call (as the unfused path does; CUDA's memory-efficient kernel, which masked batches need,
   has no grouped form).
 
-The bias and the causal test are computed once per mask tensor and remembered on it: every
-layer of a forward (and every microbatch of the LM step) receives the same mask object, so the
-conversion and the test's host sync happen once per forward, and all layers' saved bias is one
-tensor rather than one per layer.
+The bias and the causal test are computed once per mask tensor and remembered on it (an
+attribute of the mask, so they live exactly as long as it does): every layer of a forward (and
+every microbatch of the LM step) receives the same mask object, so the conversion and the test's
+host sync happen once per forward, and the layers save one bias tensor between them, not one
+each (CUDA's memory-efficient kernel still saves a padded copy per layer when the key length is
+not a multiple of 16). A ``b x s x s`` bias is the only quadratic term left, and only for
+padded batches; the LM step's causal batches have none.
 """
 
 import math
@@ -60,7 +64,7 @@ class _DerivedMask:
     per dtype (created on first use). Valid while the mask is not modified in place."""
 
     def __init__(self, mask: torch.Tensor):
-        self.version = mask._version
+        self.version = None if mask.is_inference() else mask._version
         self.causal = _is_causal(mask)
         self.bias = {}
 
@@ -78,6 +82,8 @@ def _is_causal(mask: torch.Tensor) -> bool:
 def derived_mask(mask: torch.Tensor) -> _DerivedMask:
     """The remembered :class:`_DerivedMask` of ``mask`` (computed on first use, again after an
     in-place change)."""
+    if mask.is_inference():  # no version counter to notice an in-place change by: not remembered
+        return _DerivedMask(mask)
     derived = getattr(mask, _REMEMBERED, None)
     if derived is None or derived.version != mask._version:
         derived = _DerivedMask(mask)

@@ -150,12 +150,19 @@ def initialize_layout_independent(model, vocab_size: int, seed: int, init_std: f
         name = global_name(local_name, offset)
         if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
             name = "embedding.word_embeddings.weight"
-        full_shape = list(param.shape)
-        if getattr(param, "tensor_model_parallel", False):
-            full_shape[param.partition_dim] *= parallel.tp_size()
-        full = fresh_full_tensor(name, full_shape, vocab_size, seed, init_std, model.config.num_layers, param.device)
-        param.copy_(shard_of(full, param, local_name).to(param.dtype))
-        del full  # one full tensor at a time: a 32B model's largest is a few GiB
+        param.copy_(fresh_shard(param, local_name, name, vocab_size, seed, init_std, model.config.num_layers))
+
+
+def fresh_shard(param: torch.Tensor, local_name: str, name: str, vocab_size: int, seed: int, init_std: float,
+                num_layers: int) -> torch.Tensor:
+    """This rank's shard of the fresh full tensor ``name`` (global name) for ``param`` (its TP
+    split read from the parameter's attributes), in the parameter's dtype, on its device."""
+    full_shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        full_shape[param.partition_dim] *= parallel.tp_size()
+    full = fresh_full_tensor(name, full_shape, vocab_size, seed, init_std, num_layers, param.device)
+    # The shard is copied out so the full tensor goes now: one at a time (a 32B model's largest is a few GiB).
+    return shard_of(full, param, local_name).to(param.dtype, copy=True)
 
 
 def fresh_full_tensor(name: str, full_shape, vocab_size: int, seed: int, init_std: float, num_layers: int,

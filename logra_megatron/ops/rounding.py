@@ -81,6 +81,8 @@ def stochastic_round_to_bf16(values: torch.Tensor, element_index: torch.Tensor, 
     bits.bitwise_xor_(0x8000).sub_(0x8000)  # as a signed 16-bit integer: [0, 2^16) -> [-2^15, 2^15)
     rounded = bits.to(torch.int16).view(torch.bfloat16)
     finite = torch.isfinite(values)
+    if values.device.type != "cpu":  # the same bits without a host sync per block on an accelerator
+        return torch.where(finite, rounded, values.to(torch.bfloat16))
     if bool(finite.all()):
         return rounded
     return torch.where(finite, rounded, values.to(torch.bfloat16))

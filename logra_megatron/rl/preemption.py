@@ -42,10 +42,15 @@ class ExitSignalHandler:
                 self._previous[number] = signal.signal(number, self._handle)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *_exc_info) -> None:
         for number, previous in self._previous.items():
             signal.signal(number, previous)
-        self._previous.clear()
+        installed, self._previous = self._previous, {}
+        if exc_type is not None and self.received is not None and installed:
+            # The run failed after a signal asked it to stop (a peer rank died and torchrun is
+            # stopping the others): the signal takes its course now, as without the handler,
+            # instead of leaving this rank to clean up process groups that can no longer answer.
+            os.kill(os.getpid(), self.received)
 
     def _handle(self, number, _frame) -> None:
         if self.received is not None:
