@@ -135,6 +135,28 @@ def test_the_default_rank_is_half_the_dimension_at_most_256():
     assert config.logra.max_rank == 64 and config.logra.rank == 0.5
 
 
+def test_the_planner_smoke_job_and_benchmarks_take_the_trainers_rank_default(monkeypatch):
+    import argparse
+    import importlib.util
+
+    from logra_megatron.logra.config import LogRAConfig, rank_settings
+    from logra_megatron.planning.arguments import add_arguments
+    from logra_megatron.smoke import parse_args as smoke_args
+
+    trainer = parse_train_args([], world_size=1).logra
+    planner = argparse.ArgumentParser()
+    add_arguments(planner)
+    parsed = [planner.parse_args([]), smoke_args([])]
+    monkeypatch.syspath_prepend(str(REPO / "tools"))  # the tools import their shared module
+    for tool in ("benchmark_optimizer", "benchmark_step_phases"):
+        spec = importlib.util.spec_from_file_location(tool, REPO / "tools" / f"{tool}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parsed.append(module.parse_args([]))
+    for args in parsed:
+        assert LogRAConfig(**rank_settings(args)) == LogRAConfig(rank=trainer.rank, max_rank=trainer.max_rank)
+
+
 @pytest.mark.parametrize("entry", [
     ["-m", "logra_megatron.train"], ["-m", "logra_megatron.smoke"], ["tools/plan_memory.py", "--preset", "tiny"],
     ["tools/benchmark_optimizer.py"], ["tools/benchmark_step_phases.py"]])

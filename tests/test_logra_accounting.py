@@ -66,7 +66,7 @@ def test_benchmark_prints_one_json_object_with_both_sides():
     for side in ("dense", "logra"):
         assert set(report[side]) == set(components) | {
             "training_state_bytes", "peak_step_bytes", "peak_rss_untracked_bytes", "step_time_s",
-            "dp_comm_bytes_per_step", "final_loss"}
+            "dp_comm_bytes_per_step", "final_loss", "cuda_max_memory_allocated_bytes"}
         assert report[side]["training_state_bytes"] == sum(report[side][key] for key in components)
         assert report[side]["peak_step_bytes"] > 0 and report[side]["peak_rss_untracked_bytes"] > 10_000_000
     dense, logra = report["dense"], report["logra"]
@@ -88,8 +88,8 @@ from _bench_common import run_steps
 calls = []
 def step():
     calls.append(1)
-    if len(calls) == 3:  # only the tracked call touches 256 MiB
-        return float(torch.ones(64 * 1024 * 1024)[-1])
+    if len(calls) == 3:  # only the tracked call touches 512 MiB
+        return float(torch.ones(128 * 1024 * 1024)[-1])
     return 0.0
 *_, untracked = run_steps(step, 3)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - untracked)
@@ -103,7 +103,9 @@ def test_the_peak_rss_figure_leaves_out_the_step_the_profiler_runs():
     proc = subprocess.run([sys.executable, "-c", RSS_PROBE], capture_output=True, text=True, timeout=120,
                           env=ENV, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert int(proc.stdout.split()[-1]) > 128 * 1024 * 1024  # read after that step, it would be 0
+    # Read after that step, it would be 0. (Not the whole 512 MiB: under memory pressure the
+    # kernel may drop some of the libraries' mapped pages from the RSS meanwhile.)
+    assert int(proc.stdout.split()[-1]) > 128 * 1024 * 1024
 
 
 @pytest.mark.parametrize("args,message", [

@@ -36,8 +36,38 @@ def train(args, signal_at=None, nproc=1, timeout=300):
     if signal_at:
         env.update({KILL_AT_ENV: signal_at, KILL_SIGNAL_ENV: "SIGTERM"})
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return subprocess.run([sys.executable, *launcher, "-m", "logra_megatron.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "logra_megatron.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a run that hangs (ranks that disagree): all of it goes
+        for pid in [proc.pid, *descendants(proc.pid)]:  # (torchrun starts its ranks in sessions of their own)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {timeout} s)"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def descendants(root: int) -> list:
+    """The pids of ``root``'s children, their children, ... (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
 
 
 def iterations(root):
@@ -97,6 +127,14 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert [row["step"] for row in metrics(tmp_path / "out")] == [0, 1]
 
 
+def test_without_save_the_run_stops_all_the_same_and_says_nothing_was_saved(tmp_path):
+    proc = train([*RUN, "--warmup-iters", "0", "--output-dir", str(tmp_path / "out")], signal_at="rl:step:1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preempted by SIGTERM: stopped after iteration 1; nothing was saved (no --save)" in proc.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["preempted_by"] == "SIGTERM" and summary["steps"] == 1 and not summary["finished"]
+
+
 def test_without_the_handler_sigterm_ends_the_run_at_once(tmp_path):
     proc = train([*RUN, "--warmup-iters", "0", "--output-dir", str(tmp_path / "out"), "--save",
                   str(tmp_path / "ckpt"), "--no-exit-signal-handler"], signal_at="rl:step:2")
@@ -105,15 +143,27 @@ def test_without_the_handler_sigterm_ends_the_run_at_once(tmp_path):
 
 
 def test_the_handler_records_the_first_signal_and_restores_the_previous_handlers():
-    before = signal.getsignal(signal.SIGUSR1)
-    with ExitSignalHandler(["SIGTERM", "SIGUSR1"]) as handler:
-        assert handler.stop_requested() is None
-        os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
-        assert handler.stop_requested() == "SIGUSR1"
-    assert signal.getsignal(signal.SIGUSR1) is before
-    with ExitSignalHandler(["SIGUSR1"], enabled=False) as handler:  # --no-exit-signal-handler
-        assert signal.getsignal(signal.SIGUSR1) is before and handler.stop_requested() is None
+    seen = []
+    before = signal.signal(signal.SIGUSR1, lambda number, frame: seen.append(number))
+    try:
+        with ExitSignalHandler(["SIGTERM", "SIGUSR1"]) as handler:
+            assert handler.stop_requested() is None
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
+            assert handler.stop_requested() == "SIGUSR1" and seen == []
+        assert seen == []  # a run that ends normally after a signal: the signal was its to handle
+        # A run that fails after a signal (a peer rank died, torchrun stops the others): the
+        # signal is sent again, to the previous handler (by default: the process ends).
+        with pytest.raises(RuntimeError, match="peer"):
+            with ExitSignalHandler(["SIGUSR1"]):
+                os.kill(os.getpid(), signal.SIGUSR1)
+                raise RuntimeError("Connection closed by peer")
+        assert seen == [signal.SIGUSR1]
+        with ExitSignalHandler(["SIGUSR1"], enabled=False) as handler:  # --no-exit-signal-handler
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert handler.stop_requested() is None and seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_an_output_dir_that_cannot_be_created_is_one_error_line():

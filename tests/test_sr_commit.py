@@ -118,17 +118,15 @@ def test_the_commit_with_blocks_of_one_row_moves_the_same_weights(monkeypatch):
 def test_the_commit_transient_is_the_planners(monkeypatch):
     """One block's fp32 values and three int64 tensors (planning/activations.py ``_commit``),
     measured on the largest block: a budget of 2048 elements."""
-    from logra_megatron.planning.activations import FP32, INT64
+    from logra_megatron.planning.activations import sr_commit_bytes
 
     optimizer = _bf16_sr_optimizer()
     budget = 2048
     monkeypatch.setattr(masters_module, "SR_BLOCK_ELEMENTS", budget)
-    block = max(min(e.weight.shape[0], max(1, budget // e.weight.shape[1])) * e.weight.shape[1]
-                for e in optimizer.masters.weights)
     optimizer.masters.apply(optimizer.proposal.update, 1e-3, 0.1, step_count=3)  # caches the indices
     with AllocationTracker() as tracked:
         optimizer.masters.apply(optimizer.proposal.update, 1e-3, 0.1, step_count=4)
-    planned = block * (FP32 + 3 * INT64)
+    planned = sr_commit_bytes([tuple(e.weight.shape) for e in optimizer.masters.weights], budget)
     assert planned <= tracked.peak_bytes <= 1.15 * planned, (tracked.peak_bytes, planned)
 
 

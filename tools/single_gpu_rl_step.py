@@ -36,6 +36,9 @@ LARGEST_FIRST = ("qwen2.5-32b", "gemma-2-27b", "mistral-small-24b", "llama3-8b",
                  "qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "tiny")
 RECOMPUTE_CHOICES = ((), ("--recompute-granularity", "full", "--recompute-method", "uniform",
                           "--recompute-num-layers", "1"))
+SPARE_FRACTION = 0.10
+"""Without recomputation a plan must leave this share of the GPU spare (the allocator's
+fragmentation and what the plan does not model); otherwise every layer is recomputed."""
 
 
 def parse_args(argv):
@@ -86,11 +89,19 @@ def choose(args, gpu_memory_gib: float):
     """``(preset, recompute flags, plans)``: the largest preset whose LoGRA plan fits."""
     presets = LARGEST_FIRST if args.preset == "auto" else (args.preset,)
     for preset in presets:
-        for recompute in RECOMPUTE_CHOICES:
-            plans = plan(args, preset, recompute, gpu_memory_gib)
-            if plans["logra"]["fits"] or args.preset != "auto":
-                return preset, recompute, plans
+        recompute, plans = recompute_for(args, preset, gpu_memory_gib)
+        if plans["logra"]["fits"] or args.preset != "auto":
+            return preset, recompute, plans
     raise UserError(f"no preset fits LoGRA on a GPU of {gpu_memory_gib} GiB")
+
+
+def recompute_for(args, preset: str, gpu_memory_gib: float):
+    """``(recompute flags, plans)``: no recomputation when LoGRA's plan leaves
+    :data:`SPARE_FRACTION` of the GPU spare, else full recomputation of every layer."""
+    plans = plan(args, preset, (), gpu_memory_gib)
+    if plans["logra"]["total_per_gpu_bytes"] <= (1 - SPARE_FRACTION) * gpu_memory_gib * GIB:
+        return (), plans
+    return RECOMPUTE_CHOICES[1], plan(args, preset, RECOMPUTE_CHOICES[1], gpu_memory_gib)
 
 
 def run_steps(args, preset: str, recompute: tuple) -> dict:
@@ -180,15 +191,12 @@ def run_steps(args, preset: str, recompute: tuple) -> dict:
 
 
 def plan_table(args) -> list:
-    """Per preset and GPU size: LoGRA (bf16-sr, sketched embeddings; full recomputation only
-    where it is needed to fit) and dense Adam (bf16 with fp32 masters) for the same job."""
+    """Per preset and GPU size: LoGRA (bf16-sr, sketched embeddings; full recomputation where
+    :func:`recompute_for` asks for it) and dense Adam (bf16 with fp32 masters) for the same job."""
     rows = []
     for preset in LARGEST_FIRST[:-1]:
         for gib in (80, 141):
-            for recompute in RECOMPUTE_CHOICES:
-                plans = plan(args, preset, recompute, gib)
-                if plans["logra"]["fits"]:
-                    break
+            recompute, plans = recompute_for(args, preset, gib)
             rows.append({"preset": preset, "gpu_memory_gib": gib, "recompute": "full" if recompute else "none",
                          "logra_bytes": plans["logra"]["total_per_gpu_bytes"], "logra_fits": plans["logra"]["fits"],
                          "dense_adam_bytes": plans["adam"]["total_per_gpu_bytes"], "dense_adam_fits": plans["adam"]["fits"]})

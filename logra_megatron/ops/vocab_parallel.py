@@ -224,7 +224,7 @@ def masked_kl_sum(old_logits, new_logits, mask, chunk_elements: int = KL_CHUNK_E
     accumulated in fp64 on the logits' device (one host sync)."""
     vocab = old_logits.shape[-1]
     old_flat, new_flat = old_logits.reshape(-1, vocab), new_logits.reshape(-1, vocab)
-    mask_flat = mask.reshape(-1)
+    mask_flat = mask.reshape(-1).to(old_logits.device)
     group = parallel.tp_group()
     total = torch.zeros((), dtype=torch.float64, device=old_logits.device)
     for rows in _token_chunks(old_logits, chunk_elements):
@@ -242,7 +242,7 @@ def masked_half_variance_sum(logits, new_logits, epsilon: float, mask,
     a time: three chunk-sized fp64 tensors, never a copy of the whole microbatch's logits."""
     vocab = logits.shape[-1]
     old_flat, new_flat = logits.reshape(-1, vocab), new_logits.reshape(-1, vocab)
-    mask_flat = mask.reshape(-1)
+    mask_flat = mask.reshape(-1).to(logits.device)
     group = parallel.tp_group()
     reduce = parallel.tp_size() > 1
     total = torch.zeros((), dtype=torch.float64, device=logits.device)

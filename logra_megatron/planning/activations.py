@@ -64,7 +64,7 @@ from typing import Dict
 
 from logra_megatron.errors import UserError
 from logra_megatron.models.config import resolve_attention_backend
-from logra_megatron.ops.budgets import NORM_CHUNK_ELEMENTS, SR_BLOCK_ELEMENTS, kl_chunk_rows
+from logra_megatron.ops.budgets import KL_CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS, SR_BLOCK_ELEMENTS, kl_chunk_rows
 from logra_megatron.planning import state as state_model
 from logra_megatron.planning.settings import PlanSettings
 
@@ -771,9 +771,7 @@ class _Step:
         if self.logra and self.settings.bf16 and self.settings.logra.master in ("bf16-sr", "none"):
             sketched = [p for p in self.params if p.sketch_side is not None]
             if self.settings.logra.master == "bf16-sr":
-                block = max((min(p.shape[0], max(1, SR_BLOCK_ELEMENTS // p.shape[1])) * p.shape[1]
-                             for p in sketched), default=0)
-                tl.moment(block * (FP32 + 3 * INT64), "optimizer_temporaries_bytes")
+                tl.moment(sr_commit_bytes([p.shape for p in sketched]), "optimizer_temporaries_bytes")
             else:
                 block = max((max(1, state_model._sketch_numel(p, state_model.sketch_rank(self.settings, p))
                                  // p.shape[1]) * p.shape[1] for p in sketched), default=0)
@@ -827,10 +825,7 @@ class _Step:
             return
         d = self.dims
         rows, _ = probe_layout(self.settings)
-        tokens = rows * (d.s + 1)
-        elements = min(tokens, kl_chunk_rows(d.vocab)) * d.vocab
-        width = FP64 if self.settings.kl_control == "linear" else FP32
-        self.timeline.moment(3 * elements * width, "probe_bytes")
+        self.timeline.moment(kl_reduction_bytes(rows * (d.s + 1), d.vocab, self.settings.kl_control), "probe_bytes")
 
     def controller(self) -> None:
         """The step after the backward: plain optimizer step (``off``), or propose -> probe
@@ -911,10 +906,28 @@ def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda")
     return result
 
 
-def norm_chunk_bytes(elements: int) -> int:
+def kl_reduction_bytes(tokens: int, local_vocab: int, mode: str, chunk_elements: int = KL_CHUNK_ELEMENTS) -> int:
+    """The transient of the KL controller's reduction over one probe microbatch's logits
+    (``tokens`` positions of ``local_vocab``; ops/vocab_parallel.py): three tensors of a token
+    chunk's logits, fp32 for ``probe`` (the two log-softmaxes, then their product), fp64 for
+    ``linear`` (the softmax weights, the difference, a product)."""
+    elements = min(tokens, kl_chunk_rows(local_vocab, chunk_elements)) * local_vocab
+    return 3 * elements * (FP64 if mode == "linear" else FP32)
+
+
+def sr_commit_bytes(shapes, block_elements: int = SR_BLOCK_ELEMENTS) -> int:
+    """The transient of a bf16-sr commit over sketched weights of local ``shapes`` (rows, cols):
+    its largest row block (whole rows of at most ``block_elements``, at least one;
+    logra/masters.py ``block_rows``) as fp32 values and three int64 tensors (the element index,
+    the random bits, the bit pattern: ops/rounding.py)."""
+    block = max((min(rows, max(1, block_elements // cols)) * cols for rows, cols in shapes), default=0)
+    return block * (FP32 + 3 * INT64)
+
+
+def norm_chunk_bytes(elements: int, chunk_elements: int = NORM_CHUNK_ELEMENTS) -> int:
     """The transient of ``ops/norms.py: squared_norm`` over ``elements``: the fp64 copy of a
     chunk, and while the next one is made, the previous one (two chunks at most)."""
-    return min(elements, 2 * NORM_CHUNK_ELEMENTS) * FP64
+    return min(elements, 2 * chunk_elements) * FP64
 
 
 def probe_layout(settings: PlanSettings) -> tuple:

@@ -10,7 +10,15 @@ ignored; Ctrl-C (SIGINT, not among the defaults) still interrupts, and SIGKILL c
 
 Under torchrun every rank gets the signal, but not at the same instant: :meth:`stop_requested`
 reduces a flag over all ranks at each step boundary, so every rank stops after the same step
-(the reduction runs on the process's device: NCCL reduces device tensors only).
+(the reduction runs on the process's device: NCCL reduces device tensors only). torchrun's agent
+passes SIGTERM on to its workers and kills them 30 s later; it passes SIGUSR1 on only when
+``TORCHELASTIC_SIGNALS_TO_HANDLE`` names it.
+
+torchrun also sends SIGTERM to the surviving ranks when one rank dies. Those cannot reach a step
+boundary: with gloo their collective fails, and a run that fails after a signal gets the signal
+again on the way out (the process ends as it would have without the handler); a rank blocked
+in an NCCL collective runs no Python until the collective returns, so, as under Megatron's
+handler, it ends with torchrun's SIGKILL.
 """
 
 import os
