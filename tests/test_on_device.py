@@ -21,7 +21,7 @@ from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.training.config import KLControlConfig, OptimizerSettings
 from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.setup import build_trainable, train_step
+from logra_megatron.training.setup import build_trainable
 
 MODEL = get_preset("tiny")
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # of different lengths: left padding on the device

@@ -25,6 +25,26 @@ COMPONENTS = _measure.COMPONENTS
 measure_components = _measure.measure_components
 
 
+def validate_benchmark_args(args):
+    """``(model config, LoGRA config)`` of a benchmark's flags, checked in the parent before any
+    child starts (a bad flag is one error line, not a child's traceback)."""
+    from logra_megatron.logra.config import LogRAConfig, rank_settings
+    from logra_megatron.models.config import get_preset
+
+    model = get_preset(args.preset)
+    logra = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval,
+                        master=args.logra_master, embeddings=args.logra_embeddings,
+                        zero1=getattr(args, "use_distributed_optimizer", False), seed=args.seed)
+    logra.check_model(model)
+    if args.logra_master == "bf16-sr" and not args.bf16:
+        raise UserError("--logra-master bf16-sr needs --bf16")
+    if args.global_batch_size % args.micro_batch_size:
+        raise UserError("--global-batch-size must be a multiple of --micro-batch-size")
+    if args.seq_length + 1 > model.max_seq:
+        raise UserError(f"--seq-length exceeds the model's max_seq {model.max_seq}")
+    return model, logra
+
+
 def add_attention_backend(parser) -> None:
     """``--attention-backend``, the trainer's flag (``models/config.py: ATTENTION_BACKENDS``): the
     core attention of the benchmarked model, the same on every side of a comparison."""

@@ -29,11 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
-from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, add_rank_arguments, rank_settings  # noqa: E402
-from logra_megatron.models.config import get_preset  # noqa: E402
+from logra_megatron.errors import exit_on_user_error  # noqa: E402
+from logra_megatron.logra.config import MASTER_MODES, add_rank_arguments  # noqa: E402
 from logra_megatron.training.config import KL_MODES  # noqa: E402
-from _bench_common import (COMPONENTS, add_attention_backend, measure_components,  # noqa: E402
+from _bench_common import (COMPONENTS, add_attention_backend, measure_components, validate_benchmark_args,  # noqa: E402
                            run_json_child, run_steps)
 
 METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_untracked_bytes", "step_time_s",
@@ -74,18 +73,7 @@ def argparse_hidden():
 
 def validate(args):
     """Fail fast, in the parent, on bad input."""
-    model = get_preset(args.preset)
-    logra = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval,
-                        master=args.logra_master, embeddings=args.logra_embeddings,
-                        zero1=args.use_distributed_optimizer, seed=args.seed)
-    logra.check_model(model)
-    if args.logra_master == "bf16-sr" and not args.bf16:
-        raise UserError("--logra-master bf16-sr needs --bf16")
-    if args.global_batch_size % args.micro_batch_size:
-        raise UserError("--global-batch-size must be a multiple of --micro-batch-size")
-    if args.seq_length + 1 > model.max_seq:
-        raise UserError(f"--seq-length exceeds the model's max_seq {model.max_seq}")
-    return model, logra
+    return validate_benchmark_args(args)
 
 
 def run_child(args) -> dict:

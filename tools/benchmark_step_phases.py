@@ -44,10 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, add_rank_arguments, rank_settings  # noqa: E402
-from logra_megatron.models.config import get_preset  # noqa: E402
+from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, add_rank_arguments  # noqa: E402
 from logra_megatron.training.config import KL_MODES, KLControlConfig  # noqa: E402
-from _bench_common import add_attention_backend, run_json_child  # noqa: E402
+from _bench_common import add_attention_backend, run_json_child, validate_benchmark_args  # noqa: E402
 
 TOP_PHASES = ("zero_grad", "forward_backward", "optimizer_step")
 OPTIMIZER_PHASES = ("sketch_reduce", "grad_norm", "dense_step", "update_rule", "kl_forecast", "commit",
@@ -97,17 +96,7 @@ def _hidden():
 
 def validate(args):
     """Fail fast, in the parent, on bad input."""
-    model = get_preset(args.preset)
-    logra = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval,
-                        master=args.logra_master, embeddings=args.logra_embeddings, seed=args.seed)
-    logra.check_model(model)
-    if args.logra_master == "bf16-sr" and not args.bf16:
-        raise UserError("--logra-master bf16-sr needs --bf16")
-    if args.global_batch_size % args.micro_batch_size:
-        raise UserError("--global-batch-size must be a multiple of --micro-batch-size")
-    if args.seq_length + 1 > model.max_seq:
-        raise UserError(f"--seq-length exceeds the model's max_seq {model.max_seq}")
-    return model, logra
+    return validate_benchmark_args(args)
 
 
 def run_child(args) -> dict:

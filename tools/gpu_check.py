@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+from _bench_common import last_json_line  # noqa: E402
+
 GIB = 1 << 30
 
 # The single-process test modules that run on CUDA in the test process (multi-rank modules run
@@ -52,14 +56,10 @@ class Stage:
 
 def last_json(output: str) -> dict:
     """The last line of ``output`` that parses as a JSON object."""
-    for line in reversed(output.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    raise ValueError("the stage printed no JSON object")
+    report = last_json_line(output)
+    if report is None:
+        raise ValueError("the stage printed no JSON object")
+    return report
 
 
 def pytest_figures(output: str) -> dict:
