@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 
 from logra_megatron.logra.layers import _SketchingMixin
 from logra_megatron.logra.sketch import RIGHT
+from logra_megatron.models.build import model_device
 
 
 class _SketchedLookupFunction(torch.autograd.Function):
@@ -101,7 +102,7 @@ def sketch_embeddings(model, vocab_size: int) -> None:
             output._init_sketching()
         else:
             output.logra_sketch = None
-            output.logra_anchor = torch.empty(0, device=next(model.parameters()).device, requires_grad=True)
+            output.logra_anchor = torch.empty(0, device=model_device(model), requires_grad=True)
 
 
 def shares_the_embedding(model) -> bool:

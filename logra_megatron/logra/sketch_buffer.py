@@ -26,6 +26,7 @@ from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
+from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
 from logra_megatron.ops.norms import squared_norm
 from logra_megatron.seeding import name_seed
@@ -109,7 +110,7 @@ class SketchBuffer:
         if not entries:
             raise ValueError("the model has no sketching linears: build it with logra_layer_spec()")
         padded = -(-total // self.dp) * self.dp if self.zero1 else total
-        device = next(model.parameters()).device  # every piece of LoGRA's state lives with the model
+        device = model_device(model)  # every piece of LoGRA's state lives with the model
         self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
         self.weights: List[SketchedWeight] = []
         line_offset = 0

@@ -66,7 +66,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
-from logra_megatron.models.build import unwrap_model
+from logra_megatron.models.build import model_device, unwrap_model
 from logra_megatron.models.positions import padded_causal_mask, rope_positions
 from logra_megatron.models.sdpa_attention import SDPAttention
 from logra_megatron.rollout.sampling import sample_next
@@ -147,7 +147,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     it with the same prompts and config. Returns the same :class:`Rollouts` on all those ranks.
     """
     gpt = unwrap_model(model)
-    device = next(gpt.parameters()).device
+    device = model_device(gpt)
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
     layout = PromptLayout.of(prompts, config.samples_per_prompt, config.max_new_tokens, config.pad_id, device)
     tokens, width = layout.tokens, layout.width

@@ -86,7 +86,7 @@ from megatron.core import parallel_state
 
 from logra_megatron.convert.hf import hf_config_from_model_config, megatron_to_hf
 from logra_megatron.errors import UserError
-from logra_megatron.models.build import unwrap_model
+from logra_megatron.models.build import model_device, unwrap_model
 from logra_megatron.models.config import ModelConfig
 from logra_megatron.models.weights import full_state
 from logra_megatron.rollout.megatron_engine import _check_prompts
@@ -293,7 +293,7 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> Rollouts:
         gpt = unwrap_model(self.model)
-        device = next(gpt.parameters()).device
+        device = model_device(gpt)
         _check_prompts(prompts, sampling, gpt.vocab_size, gpt.max_sequence_length)
         vocab = sampling.vocab_size or self.vocab_size or gpt.vocab_size
         if self.engine_vocab != vocab:
