@@ -11,12 +11,15 @@
 #   adam         dense Adam without control (--kl-control off), as users run it
 #   logra-decay  LoGRA with the KL budget decaying on a cosine to a tenth (--kl-target-final), as the
 #                reference implementation's budget does (not in the default ROWS)
+#   bf16-fp32    the main job at its defaults with --bf16 --logra-master fp32 (not in the default ROWS)
+#   bf16-sr      the same with --logra-master bf16-sr: no master copy (not in the default ROWS)
 # Environment: ROWS, LRS (the searched learning rates), SEARCH_SEED (the search's seed, apart from the
 # seeded runs' so that no lr is scored on the run that chose it), ITERS (smollm2: GRPO steps a run),
 # EXTRA (flags added to every run, e.g. EXTRA="--train-iters 3 --warmup-iters 5" to try the script),
 # LR (seeded runs: this lr for every row instead of the search's best, e.g. to repeat an earlier table).
 #
-# Runs go one after another. A run whose summary.json exists is skipped, and an interrupted run
+# Runs go one after another; two invocations on the same OUT share its runs (below). A run
+# whose summary.json exists is skipped, and an interrupted run
 # resumes from its last checkpoint (every run saves every SAVE_INTERVAL steps into its own
 # folder; a SIGTERM or SIGUSR1 saves the step in flight), so re-running the same command
 # finishes what is left. Each run writes OUT/<row>_s<seed>/ (search: OUT/lr_search/<row>_lr<lr>_s<seed>/)
@@ -71,10 +74,13 @@ declare -A row_flags=(
   [adam-kl]="--optimizer adam ${control[*]}"
   [adam]="--optimizer adam --kl-control off"
   [logra-decay]="--optimizer logra ${control[*]} --kl-target-final 0.001 --kl-target-schedule cosine"
+  [bf16-fp32]="--bf16 --logra-master fp32"
+  [bf16-sr]="--bf16 --logra-master bf16-sr"
 )
 for row in $rows; do
-  [ -n "${row_flags[$row]:-}" ] || { echo "error: unknown row '$row' in ROWS (logra, adam-kl, adam, logra-decay)" >&2; exit 2; }
+  [ -n "${row_flags[$row]:-}" ] || { echo "error: unknown row '$row' in ROWS (${!row_flags[*]})" >&2; exit 2; }
 done
+read -r -a extra <<< "${EXTRA:-}"
 # A signal to this script is passed on to the run in flight (which saves the step it is in and
 # exits; it ignores a second copy, as when SLURM signals every process of the job step), and the
 # script ends after it.
@@ -83,20 +89,55 @@ child=
 trap 'stop=1; [ -z "$child" ] || kill -TERM "$child" 2> /dev/null || true' TERM
 trap 'stop=1; [ -z "$child" ] || kill -USR1 "$child" 2> /dev/null || true' USR1
 
+# tiny: the RL rows start from one warmed-up checkpoint per seed (the main job's supervised
+# warm-up, with its LoGRA optimizer, saved by --train-iters 0), each loading its weights with
+# --no-load-optim, so that every row's RL starts from the same weights and held-out accuracy.
+# (With its own optimizer's warm-up, dense Adam started RL at 8.7% where LoGRA started at 34.7%
+# on the same seed: docs/results/runs/tiny_fair.) The bf16 rows are the whole main job, warm-up
+# included. SmolLM2 has no warm-up (RL from the pretrained model).
+shared_start_rows=
+[ "$kind" = tiny ] && shared_start_rows="logra adam-kl adam logra-decay"
+# Two invocations on the same OUT share the work (e.g. one per core, OMP_NUM_THREADS=1): each
+# run's folder is claimed by the invocation that runs it (claimed_by: its pid), and the other
+# skips a run claimed by a live invocation (a claim whose process is gone is taken over).
+claim() {  # claim DIR: succeeds, and holds DIR, unless another live invocation holds it
+  local holder
+  holder=$(cat "$1/claimed_by" 2> /dev/null || true)
+  if [ -n "$holder" ] && [ "$holder" != "$$" ] && kill -0 "$holder" 2> /dev/null; then return 1; fi
+  echo "$$" > "$1/claimed_by"
+}
+
+warm_start() {  # warm_start SEED: OUT/warm_s<SEED>/ckpt, made once
+  local dir=$out/warm_s$1
+  mkdir -p "$dir"
+  until claim "$dir"; do sleep 10; done  # (another invocation is making it: wait for it)
+  if [ -f "$dir/summary.json" ]; then rm -f "$dir/claimed_by"; return 0; fi
+  echo "$(date -u +%FT%TZ) start $kind warm-up seed $1" | tee -a "$out/progress.log"
+  python -m logra_megatron.train "${common[@]}" "${extra[@]}" --train-iters 0 --seed "$1" --output-dir "$dir" \
+    --save "$dir/ckpt" >> "$dir/log.txt" 2>&1 || {
+    echo "error: the warm-up of seed $1 failed (see $dir/log.txt)" >&2; exit 1; }
+  rm -f "$dir/claimed_by"
+}
+
 run_one() {  # run_one DIR ROW SEED LR: one run, resumable, skipped when finished
   local dir=$1 row=$2 seed=$3 lr=$4
   [ -f "$dir/summary.json" ] && return 0
   mkdir -p "$dir"
+  if ! claim "$dir"; then
+    echo "$(date -u +%FT%TZ) skip $kind $row seed $seed lr $lr: another invocation runs it" | tee -a "$out/progress.log"
+    return 0
+  fi
   local flags
   read -r -a flags <<< "${row_flags[$row]}"
-  local extra
-  read -r -a extra <<< "${EXTRA:-}"
   flags=("${common[@]}" "${flags[@]}" --seed "$seed" --lr "$lr" --output-dir "$dir"
          --save "$dir/ckpt" --save-interval "$save_interval" --keep-checkpoints 1 "${extra[@]}")
   if [ -f "$dir/ckpt/latest_checkpointed_iteration.txt" ]; then
     flags+=(--load "$dir/ckpt")
   elif [ "$kind" = smollm2 ]; then
     flags+=(--load "$models/smollm2-mc")
+  elif [[ " $shared_start_rows " == *" $row "* ]]; then
+    warm_start "$seed"
+    flags+=(--load "$out/warm_s$seed/ckpt" --no-load-optim)
   fi
   echo "$(date -u +%FT%TZ) start $kind $row seed $seed lr $lr" | tee -a "$out/progress.log"
   # In the background and waited for, so that a signal to this script runs its trap at once.
@@ -118,6 +159,7 @@ run_one() {  # run_one DIR ROW SEED LR: one run, resumable, skipped when finishe
     echo "$(date -u +%FT%TZ) stopped $kind $row seed $seed lr $lr (resumes on the next call)" | tee -a "$out/progress.log"
     stop=1
   fi
+  rm -f "$dir/claimed_by"
   if [ "$stop" = 1 ]; then exit 0; fi
 }
 

@@ -100,12 +100,12 @@ BY_FLAG = {option.flag: option for option in OPTIONS}
 
 NEGATIVE_ALLOWED = {"--entropy-coef"}
 """Numeric options for which -1 is a valid value (an entropy penalty instead of a bonus)."""
-ZERO_INVALID = ("--train-iters", "--micro-batch-size", "--prompts-per-step", "--group-size",
+ZERO_INVALID = ("--micro-batch-size", "--prompts-per-step", "--group-size",
                 "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--max-new-tokens",
                 "--eval-prompts", "--log-interval", "--kl-probe-sequences", "--logra-refresh-interval",
                 "--max-operand", "--logra-rank", "--kl-target", "--adam-eps", "--top-p",
                 "--held-out-fraction", "--temperature", "--kl-max-scale")
-"""Sizes and rates for which 0 is not a value."""
+"""Sizes and rates for which 0 is not a value (``--train-iters 0`` is: the warm-up alone)."""
 PATH_OPTIONS = ("--tokenizer-model", "--load", "--save", "--output-dir", "--tensorboard-dir")
 """Free-text options that name a path (fuzzed in the path cases, not with random text)."""
 FREE_TEXT_OPTIONS = {"--preset": "an unknown preset", "--reward": "an unknown reward"}

@@ -99,7 +99,8 @@ def test_paired_difference_of_lifts_matches_a_hand_computation(tmp_path, capsys)
     uncontrolled = paired["logra - adam"]
     assert uncontrolled["ci95"] == pytest.approx([17 / 3 - 1.4342, 17 / 3 + 1.4342], abs=1e-3)
     assert uncontrolled["verdict"] == "leads"
-    assert "| LoGRA - dense Adam, same KL control | 3 | +2.0, +5.0, -1.0 | +2.0 | -5.5 to +9.5 | inconclusive |" in out
+    assert ("| LoGRA - dense Adam, same KL control | lift (points gained in RL) | 3 | +2.0, +5.0, -1.0 | +2.0 | "
+            "-5.5 to +9.5 | inconclusive |") in out
     assert "LoGRA leads dense Adam, no control: +5.7 points, 95% CI +4.2 to +7.1 over 3 seeds, all above 0" in out
     # A wider margin turns the first into parity; the verdicts by hand for a few intervals.
     tool.main(["--runs", str(runs), "--name", "toy", "--out-dir", str(tmp_path / "out"), "--margin", "10"])
@@ -111,6 +112,25 @@ def test_paired_difference_of_lifts_matches_a_hand_computation(tmp_path, capsys)
     assert verdict([-4.0, -6.0, -5.0]) == "trails"
     assert verdict([1.0, -1.0, 0.5]) == "parity"  # mean 1/6, half-width 2.59: within +-5
     assert verdict([4.0]) == "one seed"
+
+
+def test_bf16_rows_compare_the_accuracy_at_the_end_of_the_job(tmp_path):
+    """The --bf16 master modes are whole jobs whose warm-ups end at different accuracies: they are
+    compared by the accuracy after RL, not by the lift (which would favour the worse warm-up)."""
+    tool = load_tool()
+    runs = tmp_path / "runs"
+    for seed, (fp32_before, fp32_after, sr_before, sr_after) in enumerate(
+            ((30.0, 60.0, 16.0, 62.0), (32.0, 58.0, 18.0, 57.0), (31.0, 61.0, 20.0, 62.0)), 1):
+        write_run(runs, f"bf16-fp32_s{seed}", before=fp32_before, after=fp32_after)
+        write_run(runs, f"bf16-sr_s{seed}", before=sr_before, after=sr_after)
+    tool.main(["--runs", str(runs), "--name", "toy", "--out-dir", str(tmp_path / "out")])
+    paired = json.loads((tmp_path / "out" / "toy_parity.json").read_text())["paired"]["bf16-sr - bf16-fp32"]
+    # By hand: differences of the final accuracy +2, -1, +1 (the lifts' would be +16, +13, +12):
+    # mean 2/3, sd sqrt((16 + 25 + 1) / 9 / 2) = 1.5275, half-width 4.3027 * 1.5275 / sqrt(3) = 3.7947.
+    assert paired["measure"] == "after" and paired["differences"] == [2.0, -1.0, 1.0]
+    assert paired["ci95"] == pytest.approx([2 / 3 - 3.7947, 2 / 3 + 3.7947], abs=1e-3)
+    assert paired["verdict"] == "parity"  # within +-5 points
+    assert set(json.loads((tmp_path / "out" / "toy_parity.json").read_text())["paired"]) == {"bf16-sr - bf16-fp32"}
 
 
 def test_learning_rate_search_table_and_best_lr(tmp_path, capsys):

@@ -190,6 +190,29 @@ def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     assert_same_weights(saved_weights(ckpt), saved_weights(tmp_path / "whole-ckpt"), rtol=1e-6, atol=1e-7)
 
 
+def test_warmup_alone_gives_several_runs_one_start(tmp_path):
+    """--train-iters 0 saves the warmed-up weights (launch/parity_runs.sh: one start per seed for
+    every row); a run with another optimizer loads them with --no-load-optim and starts RL from
+    them, without a warm-up of its own."""
+    warm = tmp_path / "warm"
+    proc = train([*SMALL, "--train-iters", "0", "--output-dir", str(warm), "--save", str(warm / "ckpt")])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((warm / "summary.json").read_text())
+    assert summary["finished"] is True and summary["steps"] == 0 and summary["warmup_iters"] == 30
+    assert summary["held_out_accuracy_after"] == summary["held_out_accuracy_before"]
+    assert (warm / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    dense = tmp_path / "dense"
+    # (With a KL budget schedule of its own: the controller starts fresh with the optimizer.)
+    proc = train([*SMALL, "--train-iters", "1", "--optimizer", "adam", "--kl-control", "probe",
+                  "--kl-target-final", "0.001", "--kl-target-schedule", "cosine", "--output-dir",
+                  str(dense), "--load", str(warm / "ckpt"), "--no-load-optim"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    started = json.loads((dense / "summary.json").read_text())
+    assert started["held_out_accuracy_before"] == summary["held_out_accuracy_before"]
+    phases = [json.loads(line)["phase"] for line in open(dense / "metrics.jsonl")]
+    assert phases == ["rl"]  # no warm-up of its own: one RL step from the saved start
+
+
 def test_minibatches_make_clipping_act_and_dynamic_sampling_drops_tied_groups(tmp_path):
     # Old log-probs once per batch, 4 optimizer steps on it: from the second step on the policy
     # has moved, the ratio departs from 1 and the clip acts (with one step it never does).
@@ -219,7 +242,7 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--lr", "fast"], "argument --lr: invalid float value"),
     (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
-    (["--train-iters", "0"], "--train-iters must be >= 1"),
+    (["--train-iters", "-1"], "--train-iters must be >= 0"),
     (["--kl-target", "0"], "--kl-target must be > 0"),
     (["--logra-rank", "1000"], "larger than the matrix"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),

@@ -4,7 +4,8 @@
     python tools/plot_parity.py --runs OUT --best-lr logra      # the lr search's best lr of a row, alone
 
 Reads every ``OUT/<row>_s<seed>/{summary.json,metrics.jsonl}`` and the learning-rate search's
-``OUT/lr_search/<row>_lr<lr>_s<seed>/``. The rows: ``logra`` (LoGRA with the predicted-KL
+``OUT/lr_search/<row>_lr<lr>_s<seed>/``. The rows (``bf16-fp32`` and ``bf16-sr``: the main job
+with ``--bf16`` and each ``--logra-master``): ``logra`` (LoGRA with the predicted-KL
 controller), ``adam-kl`` (dense Adam under the same controller: same ``--kl-target``,
 ``--kl-max-scale`` and probe), ``adam`` (dense Adam without control, as users run it),
 ``logra-decay`` (LoGRA with the budget decaying on ``--kl-target-schedule cosine``). Prints
@@ -36,7 +37,9 @@ accuracy before/after with its interval).
 
    Compared: LoGRA against dense Adam under the same control (the main comparison), against
    dense Adam without control, and ``logra-decay`` against ``logra`` (whether the budget's
-   schedule changes the result), each when both rows have runs on common seeds.
+   schedule changes the result), each when both rows have runs on common seeds; and for the
+   ``--bf16`` default, ``bf16-sr`` against ``bf16-fp32`` by the held-out accuracy at the end of
+   the whole job (their warm-ups differ, so the lift alone would not say what a user gets).
 """
 
 import json
@@ -50,12 +53,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 
-ROWS = ("logra", "adam-kl", "adam", "logra-decay")
+ROWS = ("logra", "adam-kl", "adam", "logra-decay", "bf16-fp32", "bf16-sr")
 LABELS = {"logra": "LoGRA", "adam-kl": "dense Adam, same KL control", "adam": "dense Adam, no control",
-          "logra-decay": "LoGRA, decaying KL budget"}
-COLORS = {"logra": "tab:orange", "adam-kl": "tab:blue", "adam": "tab:gray", "logra-decay": "tab:red"}
-COMPARISONS = (("logra", "adam-kl"), ("logra", "adam"), ("logra-decay", "logra"))
-"""(first, second): the paired difference ``lift(first) - lift(second)``; the first is the main one."""
+          "logra-decay": "LoGRA, decaying KL budget", "bf16-fp32": "LoGRA --bf16, fp32 masters",
+          "bf16-sr": "LoGRA --bf16, bf16-sr (no master)"}
+COLORS = {"logra": "tab:orange", "adam-kl": "tab:blue", "adam": "tab:gray", "logra-decay": "tab:red",
+          "bf16-fp32": "tab:green", "bf16-sr": "tab:purple"}
+MEASURES = {"lift": "lift (points gained in RL)", "after": "held-out accuracy at the end of the job"}
+COMPARISONS = (("logra", "adam-kl", "lift"), ("logra", "adam", "lift"), ("logra-decay", "logra", "lift"),
+               ("bf16-sr", "bf16-fp32", "after"))
+"""(first, second, measure): the paired difference ``measure(first) - measure(second)``; the first
+is the main one. The bf16 rows are the whole main job, warm-up included (whose result differs
+with the master mode), so they compare what a user gets at the end, not the RL lift."""
 LR_SEARCH = "lr_search"
 CONFIDENCE = 0.95
 
@@ -201,16 +210,23 @@ def student_t_quantile(confidence: float, df: int) -> float:
     return (low + high) / 2
 
 
-def paired_difference(first: Dict[int, dict], second: Dict[int, dict], margin: float) -> Optional[dict]:
-    """``lift(first) - lift(second)`` on the seeds both have, its mean and paired t interval, and
-    the verdict (module docstring); None when they share no seed."""
+def measured(run: dict, measure: str) -> float:
+    """What a comparison compares (``MEASURES``): the lift, or the accuracy at the end."""
+    return lift(run) if measure == "lift" else run["after"]
+
+
+def paired_difference(first: Dict[int, dict], second: Dict[int, dict], margin: float,
+                      measure: str = "lift") -> Optional[dict]:
+    """``measure(first) - measure(second)`` (the lift by default) on the seeds both have, its mean
+    and paired t interval, and the verdict (module docstring); None when they share no seed."""
     seeds = sorted(set(first) & set(second))
     if not seeds:
         return None
-    differences = [lift(first[seed]) - lift(second[seed]) for seed in seeds]
+    differences = [measured(first[seed], measure) - measured(second[seed], measure) for seed in seeds]
     count = len(differences)
     mean = sum(differences) / count
-    result = {"seeds": seeds, "differences": [round(value, 4) for value in differences], "mean": round(mean, 4),
+    result = {"measure": measure, "seeds": seeds, "differences": [round(value, 4) for value in differences],
+              "mean": round(mean, 4),
               "sd": None, "t": None, "ci95": None, "margin": margin,
               "interval": f"paired t, {count - 1} degrees of freedom, {round(100 * CONFIDENCE)}%"}
     if count < 2:
@@ -333,16 +349,16 @@ def runs_markdown(runs: Dict[str, Dict[int, dict]], table: dict) -> str:
 
 
 def paired_markdown(comparisons: Dict[str, dict]) -> str:
-    lines = ["Paired difference of lifts (first minus second, seed by seed; 95% paired t interval over the "
-             "seeds)", "",
-             "| comparison | seeds | differences (points) | mean | 95% CI | verdict |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["Paired differences (first minus second, seed by seed; 95% paired t interval over the seeds)", "",
+             "| comparison | of | seeds | differences (points) | mean | 95% CI | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for key, paired in comparisons.items():
         first, second = key.split(" - ")
         differences = ", ".join(f"{value:+.1f}" for value in paired["differences"])
         interval = "-" if paired["ci95"] is None else f"{paired['ci95'][0]:+.1f} to {paired['ci95'][1]:+.1f}"
-        lines.append(f"| {LABELS[first]} - {LABELS[second]} | {len(paired['seeds'])} | {differences} | "
-                     f"{paired['mean']:+.1f} | {interval} | {paired['verdict']} |")
+        lines.append(f"| {LABELS[first]} - {LABELS[second]} | {MEASURES[paired['measure']]} | "
+                     f"{len(paired['seeds'])} | {differences} | {paired['mean']:+.1f} | {interval} | "
+                     f"{paired['verdict']} |")
     lines.append("")
     lines.extend(f"- {paired['text']}" for paired in comparisons.values())
     return "\n".join(lines)
@@ -436,8 +452,8 @@ def main(argv=None):
     best = {row: best_lr(by_lr) for row, by_lr in search.items()}
     table = aggregate(runs)
     comparisons = {}
-    for first, second in COMPARISONS:
-        paired = paired_difference(runs[first], runs[second], args.margin)
+    for first, second, measure in COMPARISONS:
+        paired = paired_difference(runs[first], runs[second], args.margin, measure)
         if paired is not None:
             comparisons[f"{first} - {second}"] = dict(paired, text=verdict_text(first, second, paired))
     os.makedirs(args.out_dir, exist_ok=True)

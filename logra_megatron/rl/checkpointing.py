@@ -84,6 +84,9 @@ def load_training_state(directory: str, model, optimizer, compatibility: dict, l
     if not load_optim:
         _load(directory, model)
         optimizer.reload_model_params()
+        # The KL controller's counters and budget schedule size the optimizer's steps: they start
+        # fresh with its state (a warmed-up start may be loaded by runs with other budgets).
+        state.pop("controller", None)
         return state
     differ = [key for key, value in compatibility.items() if key in saved and saved[key] != value]
     if saved.get("optimizer") != compatibility["optimizer"] and "optimizer" not in differ:

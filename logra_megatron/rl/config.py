@@ -153,8 +153,8 @@ class CheckpointConfig:
     ckpt_step: Optional[int] = option(None, help="with --load: this iteration instead of the latest complete one")
     keep_checkpoints: int = option(0, help="keep only the newest N iterations under --save (0: all)")
     load_optim: bool = option(True, flag="--no-load-optim", negative=True,
-                              help="with --load: the weights (and trainer state) only, fresh optimizer state "
-                                   "(e.g. a dense run's checkpoint into a LoGRA run)")
+                              help="with --load: the weights (and trainer state) only, fresh optimizer and KL "
+                                   "controller state (e.g. a dense run's checkpoint into a LoGRA run)")
 
     def __post_init__(self):
         _at_least(self, 0, "save_interval", "keep_checkpoints")
@@ -235,7 +235,9 @@ class WarmupConfig:
 class RunConfig:
     """What the run does around the steps: length, seed, batching, evaluation, logging."""
 
-    train_iters: int = option(500, help="RL iterations (optimizer steps)")
+    train_iters: int = option(500, help="RL iterations (optimizer steps); 0: the supervised warm-up alone, e.g. "
+                                        "with --save to give several runs one warmed-up start "
+                                        "(each loads it with --load DIR --no-load-optim)")
     seed: int = option(1234, help="seeds the weights, projections, prompts and sampling")
     micro_batch_size: int = option(16, help="sequences per forward/backward")
     eval_prompts: int = option(150, help="held-out prompts (never trained on) for the greedy accuracy")
@@ -257,8 +259,8 @@ class RunConfig:
                               help="the signals that stop the run after the step in flight (comma-separated)")
 
     def __post_init__(self):
-        _at_least(self, 1, "train_iters", "micro_batch_size", "eval_prompts", "log_interval")
-        _at_least(self, 0, "exit_interval", "max_consecutive_skips", "seed", "eval_samples")
+        _at_least(self, 1, "micro_batch_size", "eval_prompts", "log_interval")
+        _at_least(self, 0, "train_iters", "exit_interval", "max_consecutive_skips", "seed", "eval_samples")
         if self.seed >= SEED_LIMIT:
             raise UserError(f"--seed must be below 2**32 = {SEED_LIMIT}, got {self.seed}")
         _check_output_directory("--output-dir", self.output_dir or None)

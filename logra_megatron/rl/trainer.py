@@ -161,7 +161,10 @@ def run_phases(config: TrainConfig, exit_handler: ExitSignalHandler) -> dict:
             break
     preempted = exit_handler.stop_requested()
     finished = run.state.step >= config.run.train_iters and not preempted
-    if finished:
+    if finished and config.run.train_iters == 0:  # the warm-up alone: no RL, so its end is the start of RL
+        summary["held_out_accuracy_after"] = summary["held_out_accuracy_before"]
+        summary["evaluation_after"] = summary["evaluation_before"]
+    elif finished:
         record_accuracy(run, "held_out_accuracy_after", "after RL")
     if config.checkpoint.save and saved_step != run.state.step:
         save(run)
