@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from logra_megatron.errors import UserError
 from logra_megatron.models import ModelConfig
+from logra_megatron.platform.parent_death import forks_die_with_this_process
 
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -54,7 +55,10 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
     state = {"model": model.sharded_state_dict()}
     if extra_sharded:
         state.update(extra_sharded)
-    dist_checkpointing.save(state, directory)
+    # Megatron forks a writer per file bucket; killed mid-save, the trainer takes them along
+    # (platform/parent_death.py says why they would otherwise outlive it).
+    with forks_die_with_this_process():
+        dist_checkpointing.save(state, directory)
     save_model_config(model_config, directory)
     if dist.is_initialized():
         dist.barrier()

@@ -172,3 +172,36 @@ def test_a_hung_program_dies_with_the_worker_that_ran_it():
         assert not sandbox_leftovers()[0], "the sandbox outlived the worker that ran it"
         assert runner(HUMAN_EVAL, "    return a + b\n") == 1.0  # a new worker; its run sweeps the directory
     assert not sandbox_leftovers()[1], "the killed run's directory was not removed"
+
+
+def _full_marks(record, text):
+    return 1.0
+
+
+def test_a_worker_forked_after_its_trainer_died_exits_instead_of_waiting_forever():
+    """A trainer killed between a worker's fork and its PR_SET_PDEATHSIG sends no signal, and the
+    forked worker holds the trainer's end of the pipe too, so no EOF comes: the worker sees it
+    has another parent and exits. With its trainer alive it serves."""
+    import multiprocessing
+
+    from logra_megatron.rl import reward_runner
+
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    # The worker's parent is this process; a trainer pid that is not its parent is a dead trainer.
+    orphan = context.Process(target=reward_runner._serve_rewards, args=(theirs, _full_marks, os.getppid()),
+                             daemon=True)
+    orphan.start()
+    orphan.join(10.0)
+    if orphan.is_alive():
+        orphan.kill()
+    assert orphan.exitcode == 0, "the worker kept waiting on a pipe nobody would close"
+    ours, theirs = context.Pipe()
+    served = context.Process(target=reward_runner._serve_rewards, args=(theirs, _full_marks, os.getpid()),
+                             daemon=True)
+    served.start()
+    ours.send((RECORD, "19"))
+    assert ours.poll(10.0) and ours.recv() == ("ok", 1.0)
+    ours.close()
+    served.kill()
+    served.join(10.0)

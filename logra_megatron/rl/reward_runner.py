@@ -10,10 +10,12 @@ import collections
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import time
 
 from logra_megatron.errors import UserError
+from logra_megatron.platform.parent_death import die_with_parent
 from logra_megatron.rl.rewards import RewardFn
 
 FAILURE_KINDS = ("timeout", "error", "worker died", "invalid score")
@@ -159,7 +161,9 @@ class RewardRunner:
 
     def _start_worker(self):
         ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=_serve_rewards, args=(theirs, self.reward_fn), daemon=True,
+        # (A forkserver's workers are the server's children, not the trainer's.)
+        parent = None if self._context.get_start_method() == "forkserver" else os.getpid()
+        process = self._context.Process(target=_serve_rewards, args=(theirs, self.reward_fn, parent), daemon=True,
                                         name="reward-worker")
         process.start()
         theirs.close()
@@ -193,7 +197,7 @@ class RewardRunner:
             pass
 
 
-def _serve_rewards(connection, reward_fn: RewardFn) -> None:
+def _serve_rewards(connection, reward_fn: RewardFn, trainer_pid) -> None:
     """A worker's loop: score ``(record, text)`` items until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     # So is preemption (a signal to the whole process group): the trainer finishes the step in
@@ -202,7 +206,10 @@ def _serve_rewards(connection, reward_fn: RewardFn) -> None:
     # sandbox) get the default action back.
     for number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(number, _ignore)
-    _die_with_the_trainer()
+    # A trainer killed with SIGKILL cannot stop its workers; the kernel can, so a worker busy in a
+    # hung reward does not outlive it (elsewhere than Linux the closed pipe ends it when it next
+    # waits).
+    die_with_parent(trainer_pid)
     while True:
         try:
             prompt_record, completion_text = connection.recv()
@@ -217,15 +224,3 @@ def _serve_rewards(connection, reward_fn: RewardFn) -> None:
 
 def _ignore(_number, _frame) -> None:
     pass
-
-
-def _die_with_the_trainer() -> None:
-    """A trainer killed with SIGKILL cannot stop its workers; Linux can (PR_SET_PDEATHSIG), so a
-    worker busy in a hung reward does not outlive it. Elsewhere the closed pipe ends the worker
-    when it next waits."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
