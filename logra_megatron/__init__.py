@@ -16,3 +16,13 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
                  "full scope is deprecated", "When using async grad allreduce"):
     _warnings.filterwarnings("ignore", message=_message)
 _os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def __getattr__(name):
+    """``logra_megatron.get_logra_optimizer``: LoGRA's optimizer factory, shaped like Megatron's
+    ``get_megatron_optimizer`` (resolved on first use: importing the package loads no torch)."""
+    if name == "get_logra_optimizer":
+        from logra_megatron.logra.optimizer import get_logra_optimizer
+
+        return get_logra_optimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

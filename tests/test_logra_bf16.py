@@ -86,8 +86,7 @@ def _controlled(target, steps=3):
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=LR), LogRAConfig(rank=0.5),
                                         dtype=torch.bfloat16)
-    dense = optimizer.dense
-    start = [m.clone() for m in dense._mains()]
+    start = [m.clone() for m in optimizer._mains()]
     controller = PredictedKLController(KLControlConfig(mode="probe", target=target)) if target else None
     scales = []
     for _ in range(steps):
@@ -99,7 +98,7 @@ def _controlled(target, steps=3):
         else:
             probe = ProbeSet(TOKENS[:2], torch.ones(2, 33), micro_batch_size=2)
             scales.append(controller.step(ddp, optimizer, probe)["step_scale"])
-    return start, [m.clone() for m in dense._mains()], scales
+    return start, [m.clone() for m in optimizer._mains()], scales
 
 
 def test_the_controller_never_overwrites_dense_fp32_masters():

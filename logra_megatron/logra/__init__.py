@@ -9,8 +9,10 @@
 - ``update_rules.py``   the update-rule interface and its registry ``UPDATE_RULES``
 - ``update_adamw.py``   SketchAdamW: torch's AdamW arithmetic in sketch space (rule "adam")
 - ``refresh.py``        the refresh policy: test matrices, range-finder bases, state rotation
-- ``optimizer.py``      LogRAOptimizer: composes the above with a dense optimizer for the rest,
-                        and checkpoints both
+- ``sketch_optimizer.py`` SketchSpaceOptimizer: the sketched weights' ``MegatronOptimizer``
+                        (reduce, norm, clip, the rule's update, masters, refresh, checkpoints)
+- ``optimizer.py``      LogRAOptimizer: Megatron's ``ChainedOptimizer`` of Megatron's dense
+                        optimizers and the sketch space; ``get_logra_optimizer``, its factory
 - ``accounting.py``     planned bytes of grads / optimizer state / projections, dense vs LoGRA
 """
 
@@ -22,7 +24,8 @@ import importlib
 _EXPORTS = {
     "LogRAConfig": "config", "parse_rank": "config",
     "logra_layer_spec": "layers", "sketched_modules": "layers",
-    "LogRAOptimizer": "optimizer",
+    "LogRAOptimizer": "optimizer", "get_logra_optimizer": "optimizer",
+    "SketchSpaceOptimizer": "sketch_optimizer",
     "UPDATE_RULES": "update_rules",
 }
 __all__ = sorted(_EXPORTS)

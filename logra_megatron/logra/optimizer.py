@@ -1,475 +1,121 @@
-"""One optimizer object: a sketch-space update rule (AdamW by default) for sketched weights, a
-dense Megatron optimizer for the remainder, one gradient norm, one clipping, one LR schedule, one
-checkpoint.
+"""LogRAOptimizer: one Megatron-Core ``ChainedOptimizer`` over the whole model, and
+:func:`get_logra_optimizer`, its factory, shaped like Megatron's ``get_megatron_optimizer``.
 
-A step:
-1. Sketches (this rank's TP shards, accumulated over microbatches by the backward) are reduced
-   over data parallel: all-reduced, or in ZeRO-1 mode reduce-scattered so each DP rank owns a
-   slice of the flat sketch buffer and of the update rule's state
-   (:mod:`~logra_megatron.logra.sketch_buffer`; docs/ALGORITHM.md, "DP reduction and ZeRO-1").
-2. The global gradient norm combines the dense norm (TP duplicates counted once) with the
-   sketch norm (sketch shards are never TP-replicated, so their squares are summed over the
-   model-parallel group, and over DP slices in ZeRO-1 mode); both parts are clipped by it
-   (docs/ALGORITHM.md, "Exactness across TP").
-   With ``--logra-norm-probes k`` the sketch norm is completed by an unbiased estimate of the
-   gradient outside the sketch (:mod:`~logra_megatron.logra.grad_norm`), so clipping acts on
-   an estimate of the full gradient norm.
-3. The dense optimizer steps the remainder; the update rule (:mod:`~logra_megatron.logra.update_rules`)
-   computes the low-rank update ``U`` (gathered over DP in ZeRO-1 mode), and each weight gets
-   decoupled weight decay and ``W -= lr * P U`` (left) or ``W -= lr * U Q^T`` (right), applied
-   by row blocks through the master mode (:mod:`~logra_megatron.logra.masters`;
-   docs/ALGORITHM.md, "Sketch-space Adam", "Master weights").
-4. On a refresh step the range-finder samples (reduced over TP and DP) give new projections;
-   the rule's state is carried into the new bases (:mod:`~logra_megatron.logra.refresh`;
-   docs/ALGORITHM.md, "Refresh"). A rule that redraws its projections (``rowadam``) gets a new
-   seeded Rademacher projection before every backward instead (docs/ALGORITHM.md, "RowAdam").
+Its parts are Megatron's own optimizers of the dense remainder (embeddings, norms, biases: what
+``get_megatron_optimizer`` builds over the parameters that still take a gradient) and, last,
+:class:`~logra_megatron.logra.sketch_optimizer.SketchSpaceOptimizer` for the sketched weights.
+The chain (:class:`~logra_megatron.optim.controlled.ControlledOptimizer`) takes one global
+gradient norm over both (and LoGRA's estimate of the gradient outside the sketch), clips both by
+it, offers Megatron's whole optimizer API to a Megatron-LM loop, and the KL controller's
+propose / preview / commit.
 
-A step can also be proposed, previewed and committed (the KL controller's protocol,
-:mod:`logra_megatron.training.optimizer`): :meth:`LogRAOptimizer.propose` runs 1-3 up to ``U``
-and the dense part's undoable step, :meth:`~LogRAOptimizer.preview` shows ``W + s D`` to forward
-passes through a side path in the sketching layers (the weights are not touched), and
-:meth:`~LogRAOptimizer.commit` applies ``s D`` and refreshes.
+Swapping it into a Megatron-LM loop is two lines, the layer spec and the optimizer factory::
 
-The dense part is injected (``dense``): an adapter around Megatron's optimizer that offers the
-phases of Megatron's step separately (:class:`DenseRemainder`); the training layer's registry
-builds it, so this package never imports the training layer.
+    model = get_model(partial(model_provider, layer_spec=logra_layer_spec()))
+    optimizer = get_logra_optimizer(optimizer_config, model, LogRAConfig())
 """
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol
+from dataclasses import replace
+from typing import Dict, List, Optional
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from logra_megatron import parallel
-from logra_megatron.logra.commit_log import Commit, CommitLog
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.grad_norm import GradNormEstimator
-from logra_megatron.logra.masters import MasterWeights
-from logra_megatron.logra.refresh import REDRAW, RademacherRedraw, RangeFinderRefresh
-from logra_megatron.logra.sketch import RIGHT
-from logra_megatron.logra.sketch_buffer import LINE, SketchBuffer
-from logra_megatron.logra.update_rules import UPDATE_RULES
-from logra_megatron.models.build import unwrap_model
-from logra_megatron.models.weights import gather_full
-from logra_megatron.platform.phases import phase
+from logra_megatron.logra.sketch_optimizer import SketchSpaceOptimizer
+from logra_megatron.optim.controlled import ControlledOptimizer
+from logra_megatron.optim.megatron_internals import flatten_chain
 
 
-class DenseRemainder(Protocol):
-    """What LogRAOptimizer needs of the optimizer of the dense (unsketched) parameters: the
-    training optimizer interface plus Megatron's step split into its phases."""
+class LogRAOptimizer(ControlledOptimizer):
+    """Megatron's dense optimizers (``dense``) chained with the sketch space (``sketch``)."""
 
-    @property
-    def param_groups(self) -> List[dict]: ...
-
-    def zero_grad(self, set_to_none: bool = True) -> None: ...
-
-    def grads_not_finite(self) -> bool: ...
-
-    def prepare_grads(self) -> bool:
-        """Copy/unscale the gradients for the step; True when they contain an inf or NaN."""
-
-    def grad_norm(self) -> float:
-        """The dense gradients' global norm (TP duplicates counted once); 0.0 when there are none."""
-
-    def clip_grads(self, max_norm: float, total_norm: float) -> None:
-        """Scale the dense gradients by ``max_norm / total_norm`` when that is below 1."""
-
-    def discard(self) -> None: ...
-
-    def propose_with_ready_grads(self) -> bool:
-        """Step the dense parameters from the prepared gradients, undoably (see preview)."""
-
-    def step_with_ready_grads(self) -> bool:
-        """Step the dense parameters from the prepared gradients, for good."""
-
-    def preview(self, scale: float) -> None:
-        """The dense parameters at ``before + scale * (after - before)`` of the proposed step."""
-
-    def commit(self, scale: float) -> None: ...
-
-    def extra_bytes(self) -> int: ...
-
-    def reset_state(self) -> None: ...
-
-    def state_bytes(self) -> Dict[str, int]: ...
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict: ...
-
-    def load_state_dict(self, state) -> None: ...
-
-    def reload_model_params(self) -> None: ...
-
-
-@dataclass
-class Proposal:
-    """A computed, not yet applied, step of the sketched weights."""
-
-    update: torch.Tensor
-    """The low-rank update ``U``, flat and full length (laid out like the sketch buffer)."""
-    lr: float
-    weight_decay: float
-    refresh: bool
-    """The step's backward collected range-finder samples: refresh after committing."""
-
-
-class LogRAOptimizer:
-    """The training optimizer over sketched weights plus an injected dense optimizer.
-
-    ``model_chunks`` are Megatron DDP-wrapped models built with the LoGRA layer spec (their
-    sketched weights have ``requires_grad=False`` and so are absent from the dense buffers).
-    ``optimizer_config`` is Megatron's ``OptimizerConfig`` (lr, weight_decay, adam betas/eps,
-    clip_grad, use_distributed_optimizer), shared by both parts; ``dense`` steps the parameters
-    that are not sketched (see :class:`DenseRemainder`); ``update_rule`` names an entry of
-    :data:`~logra_megatron.logra.update_rules.UPDATE_RULES` (default: ``logra_config.update``).
-    """
-
-    def __init__(self, model_chunks: List, optimizer_config, logra_config: LogRAConfig,
-                 dense: DenseRemainder, update_rule: Optional[str] = None):
-        if len(model_chunks) != 1:
-            raise ValueError("LogRAOptimizer supports one model chunk (no virtual pipeline)")
-        self.config = optimizer_config
-        self.logra = logra_config
-        self.model_chunks = model_chunks
-        self.dense = dense
-        self.sketch_buffer = SketchBuffer(unwrap_model(model_chunks[0]), logra_config)
-        self.update_rule = UPDATE_RULES[update_rule or logra_config.update](
-            self.sketch_buffer, optimizer_config, logra_config)
-        redraw = self.update_rule.projections == REDRAW
-        self.refresh = (RademacherRedraw if redraw else RangeFinderRefresh)(logra_config, self.sketch_buffer)
-        self.masters = MasterWeights(self.sketch_buffer.weights, logra_config.master, logra_config.seed,
-                                     shard_over_dp=logra_config.zero1)
-        self.norm_estimator = None
-        # A Rademacher sketch's norm is itself an unbiased estimate of the gradient's norm
-        # (E[Q Q^T] = I for its projection Q); the probes' residual assumes an orthonormal Q.
-        if logra_config.norm_probes and not logra_config.identity_projection and not redraw:
-            self.norm_estimator = GradNormEstimator(self.sketch_buffer, logra_config.norm_probes, logra_config.seed)
-        self.step_count = 0
-        self.proposal: Optional[Proposal] = None
-        self.commit_log: Optional[CommitLog] = None
-        """Committed steps kept for a low-rank policy sync (:meth:`log_commits`); None: none kept."""
-        self.last_norms: Dict[str, float] = {}
-        dense_group = self.dense.param_groups[0]
-        self.sketch_group = {
-            key: value for key, value in dense_group.items() if key not in ("params",)
-        }
-        self.sketch_group.update(params=[], lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay,
-                                 wd_mult=1.0, lr_mult=1.0, logra_sketch=True)
-
-    # --- the training optimizer interface -------------------------------------------------------
-
-    @property
-    def param_groups(self) -> List[dict]:
-        """Dense groups plus one group for the sketch space, so Megatron's
-        OptimizerParamScheduler sets one learning rate and weight decay for both."""
-        return list(self.dense.param_groups) + [self.sketch_group]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.param_groups:
-            group["lr"] = lr
-
-    def reload_model_params(self) -> None:
-        """Re-sync every master copy from the model's weights (after they were loaded from a
-        checkpoint that holds no optimizer state)."""
-        self.dense.reload_model_params()
-        self.masters.reload_from_weights()
-        if self.commit_log is not None:
-            self.commit_log.invalidate()
-
-    def reset_state(self) -> None:
-        """Forget the optimizer's history (the update rule's state, the dense moments and the
-        step count, so the next step also refreshes the projections): a new training phase
-        starts from a clean state. Weights and projections are kept."""
-        self.update_rule.reset()
-        self.step_count = 0
-        self.dense.reset_state()
-
-    def is_refresh_step(self) -> bool:
-        return self.refresh.is_refresh_step(self.step_count)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear dense grads and sketches; arm the norm probes, and on a refresh step the range
-        finder, for the coming backward."""
-        self.dense.zero_grad(set_to_none)
-        self.sketch_buffer.zero_()
-        with phase("range_finder_arm"):
-            self.refresh.arm(self.step_count)
-        if self.norm_estimator is not None:
-            with phase("norm_probe_draw"):
-                self.norm_estimator.arm(self.step_count)
-
-    @torch.no_grad()
-    def step(self):
-        """Returns ``(success, grad_norm, num_zeros)`` like Megatron's optimizers."""
-        success, grad_norm, num_zeros = self.propose(undoable=False)
-        if success:
-            self.commit(1.0)
-        return success, grad_norm, num_zeros
-
-    @torch.no_grad()
-    def propose(self, undoable: bool = True):
-        """Steps 1-3 of the module docstring without touching a sketched weight: reduce, norm,
-        clip, the dense part's step (undoable, unless ``undoable=False``: then it is final and
-        no copies are kept), the update rule's ``U``. Returns ``(success, grad_norm, None)``;
-        on an inf/NaN gradient (dense or sketched, agreed by every rank) nothing advances and
-        ``success`` is False."""
-        refresh = self.is_refresh_step()
-        with phase("sketch_reduce"):
-            self.sketch_buffer.reduce_tied()
-            if refresh:
-                self.refresh.reduce_samples()
-            grads = self.sketch_buffer.reduce()
-        with phase("grad_norm"):
-            found_inf = self.dense.prepare_grads() or self._sketch_not_finite(grads) or self.dense.grads_not_finite()
-            if found_inf:
-                self.proposal = None
-                return False, None, None
-            dense_sq = self.dense.grad_norm() ** 2
-            sketch_sq = self.sketch_buffer.squared_norm(grads)
-            residual_sq = self.norm_estimator.residual_squared_norm() if self.norm_estimator else 0.0
-        if not math.isfinite(residual_sq):
-            self.proposal = None
-            return False, None, None
-        grad_norm = math.sqrt(dense_sq + sketch_sq + residual_sq)
-        self.last_norms = {"grad_norm": grad_norm, "grad_norm_sketch": math.sqrt(dense_sq + sketch_sq)}
-        clip = self.config.clip_grad
-        if clip > 0.0:
-            self.dense.clip_grads(clip, grad_norm)
-            coefficient = clip / (grad_norm + 1e-6)
-            if coefficient < 1.0:
-                grads.mul_(coefficient)
-        with phase("dense_step"):
-            success = self.dense.propose_with_ready_grads() if undoable else self.dense.step_with_ready_grads()
-        lr, weight_decay = self.sketch_group["lr"], self.sketch_group["weight_decay"]
-        with phase("update_rule"):
-            update = self.sketch_buffer.full(self.update_rule.update(grads, lr, weight_decay, self.step_count + 1))
-            if update is grads or update.data_ptr() == self.sketch_buffer.flat.data_ptr():
-                update = update.clone()  # the sketch buffer is cleared before the next backward
-        self.proposal = Proposal(update, lr, weight_decay, refresh)
-        return success, grad_norm, None
-
-    def _sketch_not_finite(self, grads: torch.Tensor) -> bool:
-        # Computed and reduced on the sketches' device (NCCL reduces no CPU tensor); one host sync.
-        flag = (~torch.isfinite(grads).all()).to(torch.float32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
-        if self.sketch_buffer.sliced:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel.dp_group())
-        return bool(flag.item() > 0)
-
-    def preview(self, scale: float) -> None:
-        """Forward passes see ``W + scale * D`` of the proposed step (``scale = 0``: ``W``): the
-        sketched weights through the layers' side path, the dense remainder set in place."""
-        proposal = self.proposal
-        for entry in self.sketch_buffer.weights:
-            entry.sketch.preview = None if scale == 0 else (
-                scale * proposal.lr, proposal.weight_decay, entry.view(proposal.update))
-        self.dense.preview(scale)
-
-    @torch.no_grad()
-    def commit(self, scale: float) -> None:
-        """Apply ``scale`` times the proposed step, then refresh the projections if due."""
-        proposal = self.proposal
-        for entry in self.sketch_buffer.weights:
-            entry.sketch.preview = None
-        with phase("commit"):
-            self.masters.apply(proposal.update, scale * proposal.lr, proposal.weight_decay, self.step_count)
-            if self.commit_log is not None:
-                self.commit_log.record(Commit(proposal.update, scale * proposal.lr, proposal.weight_decay,
-                                              proposal.refresh))
-            self.dense.commit(scale)
-        if proposal.refresh:
-            with phase("range_finder"):
-                self.refresh.refresh(self.update_rule)
-        self.proposal = None
-        self.step_count += 1
-
-    def log_commits(self, limit: int) -> None:
-        """Keep every committed step from now on (at most ``limit`` between two takes) for a
-        rollout engine that replays them (:mod:`~logra_megatron.logra.commit_log`)."""
-        self.commit_log = CommitLog(limit)
-
-    @property
-    def redraws_projections(self) -> bool:
-        """The projections change before every backward (``rowadam``): no committed step can be
-        replayed under the projections of the last sync."""
-        return isinstance(self.refresh, RademacherRedraw)
-
-    def discard(self) -> None:
-        """Drop the proposed step: no weight, master or counter changes (the moments advanced by
-        this step's gradient stay, as they do in :meth:`commit`, whatever the scale)."""
-        for entry in self.sketch_buffer.weights:
-            entry.sketch.preview = None
-        self.dense.discard()
-        self.proposal = None
-
-    @property
-    def kl_max_scale(self) -> float:
-        """The KL controller's step-scale cap when ``--kl-max-scale`` is not given: the update
-        rule's (1 for ``adam``, 3 for ``rowadam``)."""
-        return self.update_rule.kl_max_scale
-
-    def extra_bytes(self) -> int:
-        """Bytes held only while a step is proposed: the dense part's copies (the low-rank
-        update ``U`` is the size of the sketch and is counted with the gradients)."""
-        return self.dense.extra_bytes()
+    def __init__(self, model_chunks: List, dense: List, sketch: SketchSpaceOptimizer):
+        super().__init__(model_chunks, dense, sketch)
+        self.sketch = sketch
 
     def diagnostics(self) -> Dict[str, float]:
         """The last step's gradient norms: ``grad_norm`` (what clipping used: dense + sketch +
         the estimate of the gradient outside the sketch) and ``grad_norm_sketch`` (dense +
         sketch only)."""
-        return dict(self.last_norms)
+        if "grad_norm" not in self.last_norms:
+            return {}
+        return {"grad_norm": self.last_norms["grad_norm"],
+                "grad_norm_sketch": math.sqrt(self.last_dense_sq + self.sketch.last_norms["sketch_sq"])}
 
-    def state_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds: the dense part's plus the sketch buffer and norm probes
-        (gradients), the update rule's state slices, the fp32 masters and the projections."""
-        dense = self.dense.state_bytes()
-        rule_bytes = sum(t.numel() * t.element_size() for t in self.update_rule.state().values())
-        probe_bytes = self.norm_estimator.state_bytes() if self.norm_estimator else 0
-        return {"grad_bytes": dense["grad_bytes"] + self.sketch_buffer.grad_bytes() + probe_bytes,
-                "optimizer_state_bytes": dense["optimizer_state_bytes"] + rule_bytes,
-                "master_weight_bytes": dense["master_weight_bytes"] + self.masters.state_bytes(),
-                "projection_bytes": dense["projection_bytes"] + self.sketch_buffer.projection_bytes()}
+    # --- the sketch space, named as the trainer, the policy sync and the tests read it ----------
 
-    # --- inspection ------------------------------------------------------------------------------
+    @property
+    def sketch_buffer(self):
+        return self.sketch.sketch_buffer
+
+    @property
+    def update_rule(self):
+        return self.sketch.update_rule
+
+    @property
+    def masters(self):
+        return self.sketch.masters
+
+    @property
+    def norm_estimator(self):
+        return self.sketch.norm_estimator
+
+    @property
+    def step_count(self) -> int:
+        return self.sketch.step_count
+
+    @property
+    def proposal(self):
+        """The proposed, not yet committed, sketch-space step (None when there is none)."""
+        return self.sketch.proposal
+
+    @property
+    def refresh(self):
+        return self.sketch.refresh
+
+    @property
+    def commit_log(self):
+        return self.sketch.commit_log
 
     @property
     def weights(self):
         """The sketched weights' bookkeeping (:class:`~logra_megatron.logra.sketch_buffer.SketchedWeight`)."""
-        return self.sketch_buffer.weights
+        return self.sketch.sketch_buffer.weights
 
     @property
     def refreshes_done(self) -> int:
-        return self.refresh.refreshes_done
+        return self.sketch.refresh.refreshes_done
+
+    @property
+    def redraws_projections(self) -> bool:
+        return self.sketch.redraws_projections
+
+    def log_commits(self, limit: int) -> None:
+        self.sketch.log_commits(limit)
+
+    def is_refresh_step(self) -> bool:
+        return self.sketch.is_refresh_step()
 
     def sketches(self) -> dict:
         """This rank's current sketches by global weight name (views, not copies)."""
-        return self.sketch_buffer.sketches()
+        return self.sketch.sketch_buffer.sketches()
 
     def projections(self) -> dict:
-        return self.sketch_buffer.projections()
+        return self.sketch.sketch_buffer.projections()
 
-    # --- checkpointing ---------------------------------------------------------------------------
 
-    def _counters(self) -> dict:
-        return dict(step_count=self.step_count, **self.update_rule.counters(),
-                    refreshes_done=self.refresh.refreshes_done)
-
-    def _rule_view(self, entry, flat: torch.Tensor) -> torch.Tensor:
-        """``entry``'s part of a full-length tensor of the rule's state: shaped like its sketch
-        (per-element state) or its lines (per-line state)."""
-        return entry.line_view(flat) if self.update_rule.state_layout == LINE else entry.view(flat)
-
-    def _rule_numel(self) -> int:
-        return self.sketch_buffer.line_numel if self.update_rule.state_layout == LINE else self.sketch_buffer.numel
-
-    def _full_rule_state(self) -> dict:
-        """The rule's state tensors at full length (gathered over DP for sliced per-element
-        state; per-line state is never sliced)."""
-        state = self.update_rule.state()
-        if self.update_rule.state_layout == LINE:
-            return dict(state)
-        return {name: self.sketch_buffer.full(tensor) for name, tensor in state.items()}
-
-    def _per_weight_state(self) -> dict:
-        """Per weight: the rule's state (full, gathered over DP in ZeRO-1 mode) and the
-        projection, as copies."""
-        full = self._full_rule_state()
-        per_weight = {}
-        for entry in self.sketch_buffer.weights:
-            saved = {name: self._rule_view(entry, tensor).clone() for name, tensor in full.items()}
-            saved["projection"] = entry.sketch.projection.clone()
-            if self.masters.mode == "fp32":
-                saved["master"] = self.masters.full_master(entry)
-            per_weight[entry.name] = saved
-        return per_weight
-
-    def _saved_state_names(self) -> tuple:
-        """Per-weight tensors split like the sketch: the rule's state, and fp32 masters."""
-        return self.update_rule.state_names + (("master",) if self.masters.mode == "fp32" else ())
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs) -> dict:
-        """For ``dist_checkpointing``: the dense optimizer's state plus the sketch-space state as
-        ``ShardedTensor``s keyed by global weight name, so it reshards across TP and PP.
-
-        A state tensor of the update rule is split over TP exactly like its weight's sketch
-        (rows for right sketches, columns for left ones; the SwiGLU fc1 halves as two tensors;
-        per-line state along its only axis, which holds those rows or columns),
-        and so is an fp32 master (``--logra-master fp32``: it is split like its weight, which
-        is the same axis). Projections are the same on every TP/DP rank and are saved once.
-        Embedding and output weights (``--logra-embeddings``) have a vocabulary padded to a
-        TP-dependent size: their per-row state is gathered over TP, cut to the real
-        vocabulary and saved once, so it reshards to any TP.
-        """
-        tp_rank, tp_size, dp_rank = parallel.tp_rank(), parallel.tp_size(), parallel.dp_rank()
-        per_weight = self._per_weight_state()
-        sharded = {}
-        for entry in self.sketch_buffer.weights:
-            saved = per_weight[entry.name]
-            key = f"logra.{entry.name}"
-            copy = int(entry.pipeline_copy)
-            for state_name in self._saved_state_names():
-                tensor = saved[state_name]
-                axis = 0 if entry.sketch.side == RIGHT or tensor.dim() == 1 else 1
-                if entry.vocab_rows is not None:
-                    full = gather_full(tensor, entry.weight, entry.name)[:entry.vocab_rows].contiguous()
-                    sharded[f"{entry.name}.{state_name}"] = ShardedTensor.from_rank_offsets(
-                        f"{key}.{state_name}", full, replica_id=(copy, tp_rank, dp_rank))
-                    continue
-                parts = torch.chunk(tensor, 2, dim=0) if entry.is_swiglu_fc1 else (tensor,)
-                for index, part in enumerate(parts):
-                    suffix = f".half{index}" if entry.is_swiglu_fc1 else ""
-                    sharded[f"{entry.name}.{state_name}{suffix}"] = ShardedTensor.from_rank_offsets(
-                        f"{key}.{state_name}{suffix}", part.contiguous(), (axis, tp_rank, tp_size),
-                        replica_id=dp_rank)
-            sharded[f"{entry.name}.projection"] = ShardedTensor.from_rank_offsets(
-                f"{key}.projection", saved["projection"], replica_id=(copy, tp_rank, dp_rank))
-        return {
-            "dense": self.dense.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs),
-            "logra_tensors": sharded,
-            "logra_counters": self._counters(),
-            "sketch_group": {k: v for k, v in self.sketch_group.items() if k != "params"},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
-        self.dense.load_state_dict(state["dense"])
-        tensors = state["logra_tensors"]
-        names = self.update_rule.state_names
-        device = self.sketch_buffer.flat.device
-        full = {name: torch.zeros(self._rule_numel(), device=device) for name in names}
-        for entry in self.sketch_buffer.weights:
-            for name in names:
-                self._rule_view(entry, full[name]).copy_(self._loaded(tensors, entry, name))
-            entry.sketch.projection = tensors[f"{entry.name}.projection"].to(device=device, dtype=torch.float32,
-                                                                              copy=True).contiguous()
-            if self.masters.mode == "fp32":
-                self.masters.load_full_master(entry, self._loaded(tensors, entry, "master"))
-        for name, tensor in self.update_rule.state().items():
-            tensor.copy_(full[name] if self.update_rule.state_layout == LINE
-                         else self.sketch_buffer.local_slice(full[name]))
-        counters = state["logra_counters"]
-        self.step_count = int(counters["step_count"])
-        self.update_rule.load_counters(counters)
-        self.refresh.refreshes_done = int(counters["refreshes_done"])
-        self.sketch_group.update(state.get("sketch_group", {}))
-        if self.commit_log is not None:  # new weights and projections: no step replays onto them
-            self.commit_log.invalidate()
-
-    @staticmethod
-    def _loaded(tensors: dict, entry, name: str) -> torch.Tensor:
-        """A loaded per-weight tensor as this rank holds it: its SwiGLU halves joined, or its
-        vocabulary block cut from the saved real-vocabulary rows."""
-        if entry.vocab_rows is not None:
-            full = tensors[f"{entry.name}.{name}"]
-            local = entry.shape[0] if name != "master" else entry.weight.shape[0]
-            start = parallel.tp_rank() * local
-            block = full.new_zeros((local,) + tuple(full.shape[1:]))
-            rows = full[start:start + local]
-            block[:rows.shape[0]] = rows
-            return block
-        if entry.is_swiglu_fc1:
-            return torch.cat([tensors[f"{entry.name}.{name}.half0"], tensors[f"{entry.name}.{name}.half1"]], dim=0)
-        return tensors[f"{entry.name}.{name}"]
+def get_logra_optimizer(config: OptimizerConfig, model_chunks: List,
+                        logra_config: Optional[LogRAConfig] = None) -> LogRAOptimizer:
+    """LoGRA over ``model_chunks`` (Megatron DDP-wrapped models built with
+    :func:`~logra_megatron.logra.layers.logra_layer_spec`), as ``get_megatron_optimizer(config,
+    model_chunks)`` builds Megatron's: ``config`` is Megatron's ``OptimizerConfig`` (lr, weight
+    decay, Adam betas and eps, clip_grad, use_distributed_optimizer, bf16), shared by both parts.
+    With ``use_distributed_optimizer`` the sketch space is sharded over data parallel too (ZeRO-1:
+    its reduction is a reduce-scatter, its state a slice)."""
+    logra_config = logra_config or LogRAConfig()
+    if logra_config.zero1 != config.use_distributed_optimizer:
+        logra_config = replace(logra_config, zero1=config.use_distributed_optimizer)
+    model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    dense = flatten_chain(get_megatron_optimizer(config, model_chunks))
+    return LogRAOptimizer(model_chunks, dense, SketchSpaceOptimizer(model_chunks, config, logra_config))

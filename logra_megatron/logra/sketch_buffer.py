@@ -83,38 +83,42 @@ class SketchedWeight:
 
 
 class SketchBuffer:
-    """All sketches of one model chunk in one flat fp32 buffer, attached to its sketching linears.
+    """All sketches of this rank's model chunks in one flat fp32 buffer, attached to their
+    sketching linears.
 
     In ZeRO-1 mode (``logra_config.zero1``) the buffer is padded to a multiple of the DP size and
     each DP rank owns ``slice_numel`` elements of it; otherwise a "slice" is the whole buffer.
     """
 
-    def __init__(self, model, logra_config: LogRAConfig):
+    def __init__(self, models, logra_config: LogRAConfig):
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.logra = logra_config
         self.zero1 = logra_config.zero1
         self.dp = parallel.dp_size()
-        offset_layers = layer_offset(model)
-        tied = bool(getattr(model, "share_embeddings_and_output_weights", False)) and parallel.pp_size() > 1
         entries = []
         total = 0
-        for local_name, module in sketched_modules(model):
-            name = global_name(local_name, offset_layers) + ".weight"
-            if local_name == "output_layer" and model.share_embeddings_and_output_weights:
-                name = TIED_EMBEDDING  # the pipeline copy: the embedding's projection and seeds
-            out_features, in_features = module.weight.shape
-            side = module.sketch_side
-            projected = in_features if side == RIGHT else out_features
-            rank = logra_config.rank_for(projected, name)
-            entries.append((name, local_name, module, side, out_features, in_features, projected, rank, total))
-            total += math.prod(LinearSketch.sketch_shape(side, out_features, in_features, rank))
+        for model in models:  # the model chunks of this rank (several with a virtual pipeline)
+            offset_layers = layer_offset(model)
+            tied = bool(getattr(model, "share_embeddings_and_output_weights", False)) and parallel.pp_size() > 1
+            for local_name, module in sketched_modules(model):
+                name = global_name(local_name, offset_layers) + ".weight"
+                if local_name == "output_layer" and model.share_embeddings_and_output_weights:
+                    name = TIED_EMBEDDING  # the pipeline copy: the embedding's projection and seeds
+                out_features, in_features = module.weight.shape
+                side = module.sketch_side
+                projected = in_features if side == RIGHT else out_features
+                rank = logra_config.rank_for(projected, name)
+                entries.append((name, local_name, module, side, out_features, in_features, projected, rank,
+                                total, tied))
+                total += math.prod(LinearSketch.sketch_shape(side, out_features, in_features, rank))
         if not entries:
             raise ValueError("the model has no sketching linears: build it with logra_layer_spec()")
         padded = -(-total // self.dp) * self.dp if self.zero1 else total
-        device = model_device(model)  # every piece of LoGRA's state lives with the model
+        device = model_device(models[0])  # every piece of LoGRA's state lives with the model
         self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
         self.weights: List[SketchedWeight] = []
         line_offset = 0
-        for name, local_name, module, side, out_f, in_f, projected, rank, offset in entries:
+        for name, local_name, module, side, out_f, in_f, projected, rank, offset, tied in entries:
             if logra_config.identity_projection:
                 if rank != projected:
                     raise ValueError(f"identity projection needs full rank ({projected}) for {name}")
@@ -130,9 +134,10 @@ class SketchBuffer:
                                                pipeline_copy=tied and local_name == "output_layer",
                                                line_offset=line_offset))
             line_offset += self.weights[-1].lines
-        for module in model.modules():  # a tied output layer on the embedding's stage
-            if isinstance(module, _SketchingMixin) and module.weight is None:
-                module.logra_sketch = model.embedding.word_embeddings.logra_sketch
+        for model in models:
+            for module in model.modules():  # a tied output layer on the embedding's stage
+                if isinstance(module, _SketchingMixin) and module.weight is None:
+                    module.logra_sketch = model.embedding.word_embeddings.logra_sketch
         self.slice_numel = padded // self.dp if self.zero1 else padded
         self.line_numel = line_offset
         """Length of flat per-line state (never sliced over DP)."""

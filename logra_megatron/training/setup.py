@@ -26,8 +26,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
                     attention_backend: str = "auto"):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
-    Megatron DDP wrapper (to run), and the optimizer (a
-    :class:`~logra_megatron.training.optimizer.TrainingOptimizer`). The fresh weights are a
+    Megatron DDP wrapper (to run), and the optimizer (a Megatron-Core ``ChainedOptimizer``,
+    :class:`~logra_megatron.optim.controlled.ControlledOptimizer`). The fresh weights are a
     function of ``seed`` alone, the same at every TP/PP layout. ``recompute``: activation
     recomputation in the backward (default: none). ``attention_backend``: the layers' core
     attention (``--attention-backend``: auto, sdpa or unfused)."""
@@ -54,7 +54,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
         adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad, bf16=dtype == torch.bfloat16,
         use_distributed_optimizer=settings.distributed)
-    optimizer = build_optimizer(settings, ddp_model, optimizer_config, logra_config)
+    optimizer = build_optimizer(settings.kind, optimizer_config, [ddp_model], logra_config)
     return model, ddp_model, optimizer
 
 

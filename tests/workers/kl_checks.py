@@ -69,20 +69,21 @@ def main():
         copy_free = controller.kl(ddp, optimizer, probe, scale)
         # Exact: the sketched weights set to W + s D in full, the dense remainder previewed.
         old = [probe.logits(ddp, part) for part in probe.parts()]
-        proposal = optimizer.proposal
+        proposal = optimizer.sketch.proposal
         saved = [entry.weight.detach().clone() for entry in optimizer.weights]
         with torch.no_grad():
             for entry in optimizer.weights:
                 step = scale * proposal.lr
                 full = entry.sketch.update_from(entry.view(proposal.update))
                 entry.weight.mul_(1 - step * proposal.weight_decay).sub_(step * full)
-        optimizer.dense.preview(scale)  # the dense remainder only: no side paths
+        optimizer.preview(scale)
+        optimizer.sketch.preview(0.0)  # the dense remainder only: no side paths
         total = 0.0
         for part, before in zip(probe.parts(), old):
             after = probe.logits(ddp, part)
             if parallel.is_last_stage():
                 total += masked_kl_sum(before, after, probe.mask[part])
-        optimizer.dense.preview(0.0)
+        optimizer.preview(0.0)
         with torch.no_grad():
             for entry, weight in zip(optimizer.weights, saved):
                 entry.weight.copy_(weight)

@@ -1,0 +1,12 @@
+"""Optimizers in Megatron-Core's contract (``MegatronOptimizer`` / ``ChainedOptimizer``).
+
+- ``controlled.py``          ``ControlledOptimizer``: Megatron's ``ChainedOptimizer`` with one
+                             global gradient norm and one clip over every part (dense Megatron
+                             optimizers, and a low-rank part such as LoGRA's), and a step that
+                             can be proposed, previewed and committed (the KL controller's
+                             protocol)
+- ``factory.py``             ``get_dense_optimizer(config, model_chunks)``: Megatron's own
+                             optimizer (``get_megatron_optimizer``) inside that chain
+- ``megatron_internals.py``  the private members of megatron-core's optimizers this package
+                             reads, in one place, with the version they were read from
+"""
