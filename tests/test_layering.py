@@ -100,7 +100,9 @@ def test_no_function_level_import_reaches_up_a_layer():
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        own = layer_of(module, table)
+        # The package root is the front door: its lazy re-exports (``logra_megatron.get_logra_optimizer``)
+        # may reach any layer, as an import of the package by a user would.
+        own = len(table) if module == "logra_megatron" else layer_of(module, table)
         for line, imported in _function_level_imports(path):
             if imported.startswith("logra_megatron") and (layer_of(imported, table) or 0) > own:
                 upward.append(f"{path.relative_to(REPO)}:{line} imports {imported}")

@@ -41,7 +41,8 @@ def assert_not_degenerate(rows):
 
 def saved_weights(save_dir, iteration=None):
     """The model's full (TP=1, all stages) tensors of the newest (or the given) iteration under ``save_dir``,
-    read from the torch_dist checkpoint without a process group; vocabulary rows beyond the
+    read from the torch_dist checkpoint without a process group (optimizer state, under Megatron's
+    ``chained_<i>.`` prefixes, left out); vocabulary rows beyond the
     tokenizer's vocabulary (padding, whose size depends on TP) are dropped."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -54,7 +55,7 @@ def saved_weights(save_dir, iteration=None):
     state = torch.load(os.path.join(save_dir, f"{iteration}.pt"), weights_only=False)
     weights = {}
     for key, value in state.items():
-        if torch.is_tensor(value) and not key.startswith(("optimizer.", "logra.")) and "_extra_state" not in key:
+        if torch.is_tensor(value) and not key.startswith(("optimizer.", "logra.", "chained_")) and "_extra_state" not in key:
             weights[key] = value[:vocab] if key in ("embedding.word_embeddings.weight", "output_layer.weight") else value
     assert weights
     return weights
@@ -215,14 +216,17 @@ def test_warmup_alone_gives_several_runs_one_start(tmp_path):
 
 def test_minibatches_make_clipping_act_and_dynamic_sampling_drops_tied_groups(tmp_path):
     # Old log-probs once per batch, 4 optimizer steps on it: from the second step on the policy
-    # has moved, the ratio departs from 1 and the clip acts (with one step it never does).
-    proc = train([*SMALL, "--num-minibatches", "4", "--dynamic-sampling", "--output-dir", str(tmp_path)])
+    # has moved, the ratio departs from 1 and the clip acts (with one step it never does). The
+    # clip range is narrowed to 0.05: at the default 0.2 whether a token beyond it has an
+    # advantage of the sign that binds is a coin toss on 3 tiny steps (seen both ways).
+    proc = train([*SMALL, "--num-minibatches", "4", "--dynamic-sampling", "--clip-low", "0.05",
+                  "--clip-high", "0.05", "--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = metrics(tmp_path)
     assert_not_degenerate(rows)
     assert all(row["optimizer_steps"] == 4 for row in rows)
     assert any(row["clip_fraction"] > 0 for row in rows), rows
-    assert any(row["ratio_max"] > 1.0 + 0.28 for row in rows), rows
+    assert any(row["ratio_max"] > 1.0 + 0.05 for row in rows), rows
     for row in rows:  # 4 prompts x 4 samples, tied groups left out of the loss
         expected = 16 * (1 - row["tied_group_share"]) if row["tied_group_share"] < 1 else 4
         assert row["sequences_in_loss"] == pytest.approx(expected), row

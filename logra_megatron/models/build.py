@@ -46,14 +46,24 @@ def transformer_config(
     recompute_granularity: Optional[str] = None,
     recompute_method: Optional[str] = None,
     recompute_num_layers: Optional[int] = None,
+    sequence_parallel: bool = False,
+    virtual_pipeline: Optional[int] = None,
 ):
     """The Megatron ``TransformerConfig`` for ``model`` at the given layout and precision.
+
+    ``sequence_parallel``: Megatron's sequence parallelism (TP > 1): the activations outside the
+    tensor-parallel linears are split along the sequence over TP. ``virtual_pipeline``: model
+    chunks per pipeline rank (Megatron's interleaved schedule), None for one.
 
     ``recompute_*`` are Megatron's activation-recomputation fields (``None``: keep every
     activation); ``training/config.py: RecomputeConfig`` validates them and supplies them.
 
-    Fusions that need CUDA kernels are off; dropout is off (RL fine-tuning does not use it and it
-    keeps runs deterministic). On CUDA the parameters are created on the GPU
+    Dropout is off (RL fine-tuning does not use it and it keeps runs deterministic). On CUDA,
+    Megatron's fusions that need no Transformer Engine are on, as Megatron-LM runs by default:
+    bias + SwiGLU and bias + dropout + add (torch.jit kernels), and the gradient-accumulation
+    fusion where Apex's ``fused_weight_gradient_mlp_cuda`` is installed; the masked-softmax
+    fusion (only the unfused attention uses it), rope and persistent layer-norm fusions need
+    Apex or Transformer Engine kernels and stay off. On the CPU every fusion is off. On CUDA the parameters are created on the GPU
     (``use_cpu_initialization`` off, as Megatron-LM runs): Megatron's own draw is cheap there and
     is replaced anyway by the layout-independent one (``models/weights.py``), also drawn on the
     GPU. On the CPU the adapter needs ``use_cpu_initialization`` (Megatron's GPU path builds its
@@ -62,6 +72,8 @@ def transformer_config(
 
     on_cuda = cuda_available()
     return TransformerConfig(
+        sequence_parallel=sequence_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
         num_layers=model.layers,
         hidden_size=model.hidden,
         num_attention_heads=model.heads,
@@ -84,17 +96,26 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_cuda,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=on_cuda,
+        bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=on_cuda and _apex_wgrad_fusion_available(),
         deallocate_pipeline_outputs=on_cuda,
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
     )
+
+
+def _apex_wgrad_fusion_available() -> bool:
+    """Apex's CUDA extension behind Megatron's gradient-accumulation fusion is importable."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (optional: built with Apex)
+    except ImportError:
+        return False
+    return True
 
 
 def gpt_layer_spec(use_transformer_engine: Optional[bool] = None, attention_backend: str = "auto"):
@@ -129,6 +150,7 @@ def build_gpt_model(
     layer_spec=None,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
 ):
     """Build this rank's part of the model (its pipeline stage, its TP shard), on this process's
     device (its CUDA device, or the CPU), as Megatron-LM's ``get_model`` moves it right after
@@ -146,10 +168,11 @@ def build_gpt_model(
         )
     if layer_spec is None:
         layer_spec = gpt_layer_spec()
+    virtual = vp_stage is not None  # one model chunk of several on this pipeline rank
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -161,6 +184,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        vp_stage=vp_stage,
     )
     # Parameters Megatron builds on the CPU whatever the flag says (and every one of them under
     # use_cpu_initialization) move now; on the CPU this is a no-op.

@@ -19,8 +19,12 @@ _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 
 def layer_offset(model) -> int:
-    """Global index of this stage's first transformer layer."""
-    return model.config.num_layers // parallel.pp_size() * parallel.pp_rank()
+    """Global index of this model chunk's first transformer layer (Megatron's own placement,
+    virtual pipeline stages included)."""
+    # megatron-core is loaded here only: this module is also imported where no model exists.
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
 def global_name(local_name: str, offset: int) -> str:
