@@ -202,12 +202,15 @@ def train_step(args, model, optimizer, scheduler, batches, config):
 
 
 def sharded_state(model, optimizer, scheduler, iteration, is_loading=False):
+    # As Megatron-LM's checkpointing does: the model's own state (through ``.module``, not the DDP
+    # wrapper's, whose keys would carry a ``module.`` prefix no other tool expects), one
+    # ``model<i>`` entry per virtual-pipeline chunk.
     state = {"iteration": iteration, "scheduler": scheduler.state_dict() if scheduler else None}
     if len(model) == 1:
-        state["model"] = model[0].sharded_state_dict()
+        state["model"] = model[0].module.sharded_state_dict()
     else:
         for index, chunk in enumerate(model):
-            state[f"model{index}"] = chunk.sharded_state_dict()
+            state[f"model{index}"] = chunk.module.sharded_state_dict()
     model_state = {k: v for k, v in state.items() if k.startswith("model")}
     state["optimizer"] = optimizer.sharded_state_dict(model_state if len(model) > 1 else state["model"],
                                                       is_loading=is_loading)
@@ -228,16 +231,25 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration):
 
 def load_checkpoint(args, model, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tracker = os.path.join(args.load, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
         raise UserError(f"--load {args.load}: no latest_checkpointed_iteration.txt")
     iteration = int(open(tracker).read().strip())
     directory = os.path.join(args.load, f"iter_{iteration:07d}")
-    loaded = dist_checkpointing.load(sharded_state(model, optimizer, None, iteration, is_loading=True), directory)
-    for index, chunk in enumerate(model):
-        chunk.load_state_dict(loaded["model"] if len(model) == 1 else loaded[f"model{index}"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    try:
+        loaded = dist_checkpointing.load(sharded_state(model, optimizer, None, iteration, is_loading=True), directory)
+        for index, chunk in enumerate(model):
+            chunk.module.load_state_dict(loaded["model"] if len(model) == 1 else loaded[f"model{index}"])
+        optimizer.load_state_dict(loaded["optimizer"])
+    except (RuntimeError, KeyError, ValueError, CheckpointException) as error:
+        # A checkpoint of another model or optimizer (torch.distributed.checkpoint reports a
+        # missing key as a CheckpointException, a BaseException, with the rank's error inside).
+        cause = next(iter(error.failures.values()), error) if isinstance(error, CheckpointException) else error
+        cause = getattr(cause, "exc", cause)  # a rank's failure arrives wrapped with its traceback
+        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise UserError(f"--load {directory}: {first_line[:300]}") from error
     if loaded.get("scheduler"):
         scheduler.load_state_dict(loaded["scheduler"])
     return iteration

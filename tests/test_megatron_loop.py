@@ -1,0 +1,96 @@
+"""examples/megatron_loop.py, the Megatron-LM-shaped loop with LoGRA swapped in by two lines, run
+as a user runs it (torchrun): LoGRA's losses at TP=2 and under the interleaved pipeline (PP=3,
+two model chunks per rank) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
+a checkpoint saved through ``dist_checkpointing`` at TP=2 resumes at TP=1 on the uninterrupted
+run's losses; bad flags are one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_harness import REPO
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+# 6 layers, so that PP=3 with one layer per virtual stage gives each rank two model chunks;
+# 12 sequences a step: 6 microbatches of 2, a multiple of the pipeline size as interleaving needs.
+COMMON = ["--num-layers", "6", "--global-batch-size", "12", "--train-iters", "4", "--lr-warmup-iters", "1"]
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+           "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"])}
+
+
+def loop(args, nproc=1, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           "examples/megatron_loop.py", *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV, cwd=REPO)
+    return proc
+
+
+def direct(args, timeout=300):
+    """One process without torchrun, as a user first tries a script (and as an error reads best:
+    torchrun adds its own traceback of the failed child)."""
+    return subprocess.run([sys.executable, "examples/megatron_loop.py", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=REPO)
+
+
+def summary(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    found = {}
+    for optimizer, layouts in (("logra", ("tp1", "tp2", "pp3-vpp2")), ("adam", ("tp1", "pp3-vpp2"))):
+        for name in layouts:
+            nproc, extra = LAYOUTS[name]
+            found[optimizer, name] = summary(loop(["--optimizer", optimizer, *COMMON, *extra], nproc))
+    return found
+
+
+def test_the_loop_takes_logra_as_a_megatron_optimizer(runs):
+    logra, adam = runs["logra", "tp1"], runs["adam", "tp1"]
+    assert logra["optimizer"] == "LogRAOptimizer" and logra["megatron_optimizer"] is True
+    assert adam["optimizer"] == "ChainedOptimizer" and adam["megatron_optimizer"] is True
+    assert logra["iterations"] == adam["iterations"] == 4
+    # the first loss is before any update: the same model, the same data
+    assert logra["losses"][0] == adam["losses"][0]
+    # the first update runs at lr 0 (one warm-up iteration from 0, Megatron's schedule), so the
+    # runs part from the third loss on: LoGRA updates in sketch space
+    assert logra["losses"][1] == adam["losses"][1]
+    assert all(ours != theirs for ours, theirs in zip(logra["losses"][2:], adam["losses"][2:]))
+
+
+@pytest.mark.parametrize("optimizer,layout", [("logra", "tp2"), ("logra", "pp3-vpp2"), ("adam", "pp3-vpp2")])
+def test_layouts_give_tp1s_losses(runs, optimizer, layout):
+    reference = runs[optimizer, "tp1"]["losses"]
+    assert runs[optimizer, layout]["losses"] == pytest.approx(reference, rel=1e-5, abs=0)
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_on_the_uninterrupted_losses(runs, tmp_path):
+    first = summary(loop(["--optimizer", "logra", *COMMON, *LAYOUTS["tp2"][1], "--save", str(tmp_path),
+                          "--exit-interval", "2"], 2))
+    assert first["iterations"] == 2 and (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
+    resumed = summary(loop(["--optimizer", "logra", *COMMON, "--load", str(tmp_path)]))
+    assert resumed["iterations"] == 4
+    uninterrupted = runs["logra", "tp1"]["losses"]
+    assert first["losses"] == pytest.approx(uninterrupted[:2], rel=1e-5, abs=0)
+    assert resumed["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5, abs=0)
+    # the same checkpoint under the other optimizer: one line naming the checkpoint, exit 2
+    other = direct(["--optimizer", "adam", *COMMON, "--load", str(tmp_path)])
+    assert other.returncode == 2 and f"error: --load {tmp_path}/iter_0000002: " in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2"),
+    (["--lr-warmup-iters", "4"], "--lr-warmup-iters (4) must be < --train-iters (4)"),
+    (["--num-layers", "0"], "--num-layers must be >= 1"),
+    (["--load", "/nonexistent"], "no latest_checkpointed_iteration.txt"),
+])
+def test_bad_flags_are_one_line(args, message):
+    proc = direct(["--train-iters", "4", *args])
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
