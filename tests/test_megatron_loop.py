@@ -1,5 +1,5 @@
 """examples/megatron_loop.py, the Megatron-LM-shaped loop with LoGRA swapped in by two lines, run
-as a user runs it (torchrun): LoGRA's losses at TP=2 and under the interleaved pipeline (PP=3,
+as a user runs it (torchrun): LoGRA's losses at TP=2, with sequence parallelism, and under the interleaved pipeline (PP=3,
 two model chunks per rank) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
 a checkpoint saved through ``dist_checkpointing`` at TP=2 resumes at TP=1 on the uninterrupted
 run's losses; bad flags are one line."""
@@ -17,6 +17,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 # 12 sequences a step: 6 microbatches of 2, a multiple of the pipeline size as interleaving needs.
 COMMON = ["--num-layers", "6", "--global-batch-size", "12", "--train-iters", "4", "--lr-warmup-iters", "1"]
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+           "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
            "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"])}
 
 
@@ -42,7 +43,7 @@ def summary(proc):
 @pytest.fixture(scope="module")
 def runs():
     found = {}
-    for optimizer, layouts in (("logra", ("tp1", "tp2", "pp3-vpp2")), ("adam", ("tp1", "pp3-vpp2"))):
+    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "pp3-vpp2")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
         for name in layouts:
             nproc, extra = LAYOUTS[name]
             found[optimizer, name] = summary(loop(["--optimizer", optimizer, *COMMON, *extra], nproc))
@@ -66,6 +67,14 @@ def test_the_loop_takes_logra_as_a_megatron_optimizer(runs):
 def test_layouts_give_tp1s_losses(runs, optimizer, layout):
     reference = runs[optimizer, "tp1"]["losses"]
     assert runs[optimizer, layout]["losses"] == pytest.approx(reference, rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("optimizer", ["logra", "adam"])
+def test_sequence_parallelism_gives_tp1s_losses(runs, optimizer):
+    # Tighter than the layouts above: a norm whose sequence-parallel gradients are not summed
+    # over TP (the tag models/sequence_parallel_norm.py sets) moves the losses by ~1e-6 only.
+    reference = runs[optimizer, "tp1"]["losses"]
+    assert runs[optimizer, "tp2-sp"]["losses"] == pytest.approx(reference, rel=5e-7, abs=0)
 
 
 def test_a_tp2_checkpoint_resumes_at_tp1_on_the_uninterrupted_losses(runs, tmp_path):

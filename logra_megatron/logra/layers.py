@@ -15,7 +15,7 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from logra_megatron.logra.sketch import LEFT, RIGHT, sketched_linear
+from logra_megatron.logra.sketch import LEFT, RIGHT, gather_sequence, sketched_linear
 from logra_megatron.models.build import with_attention_backend
 
 
@@ -30,8 +30,15 @@ class _SketchingMixin:
         self.logra_sketch = None
         self.logra_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
 
-    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, **_):
+    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, sequence_parallel=False,
+                      **_):
+        # Megatron passes sequence_parallel=True to column-parallel layers only (a row-parallel
+        # layer's reduce-scatter happens outside this seam); its TP group is then ``tp_group`` or
+        # the layer's own.
+        tp_group = tp_group if tp_group is not None else getattr(self, "tp_group", None)
         if not torch.is_grad_enabled():
+            if sequence_parallel:
+                input = gather_sequence(input, tp_group)
             output = torch.matmul(input, weight.t())
             sketch = self.logra_sketch
             if sketch is not None and sketch.preview is not None:
@@ -39,7 +46,7 @@ class _SketchingMixin:
                 # is reduced over TP with it (docs/ALGORITHM.md, "KL control").
                 output = sketch.preview_output(input, output)
             return output + bias if bias is not None else output
-        return sketched_linear(input, weight, bias, self, allreduce_dgrad, tp_group)
+        return sketched_linear(input, weight, bias, self, allreduce_dgrad, tp_group, sequence_parallel)
 
 
 class SketchingColumnParallelLinear(_SketchingMixin, ColumnParallelLinear):

@@ -136,22 +136,38 @@ class LinearSketch:
         return (result - step * side).to(output.dtype)
 
 
+def gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:
+    """Sequence parallelism: this rank holds ``input``'s slice of the sequence (dim 0); the
+    linear needs the whole sequence, gathered from the TP group in rank order."""
+    world = dist.get_world_size(group=tp_group)
+    gathered = torch.empty((input.shape[0] * world, *input.shape[1:]), dtype=input.dtype, device=input.device)
+    dist.all_gather_into_tensor(gathered, input.contiguous(), group=tp_group)
+    return gathered
+
+
 class _SketchedLinearFunction(torch.autograd.Function):
     """``output = input @ weight^T (+ bias)``; the backward returns the input (and bias)
     gradient and, for the weight, only feeds the layer's :class:`LinearSketch`.
 
     ``anchor`` is a zero-size tensor that requires grad, so the backward runs even when
     neither the input nor the (frozen-to-autograd) weight requires grad.
+
+    With ``sequence_parallel`` (column-parallel layers only, as in Megatron) the input is this
+    rank's sequence slice: it is gathered over TP for the product, gathered again in the
+    backward for the sketch rather than kept (Megatron's own trade: the whole sequence's input
+    is never saved), and the input gradient is reduce-scattered back to the slice.
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias, anchor, sketch_owner, allreduce_dgrad, tp_group):
+    def forward(ctx, input, weight, bias, anchor, sketch_owner, allreduce_dgrad, tp_group, sequence_parallel):
         ctx.save_for_backward(input, weight)
         ctx.sketch_owner = sketch_owner
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
+        ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
-        output = torch.matmul(input, weight.t())
+        total_input = gather_sequence(input, tp_group) if sequence_parallel else input
+        output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
         return output
@@ -159,24 +175,33 @@ class _SketchedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight)
+        total_input = gather_sequence(input, ctx.tp_group) if ctx.sequence_parallel else input
+        grad_total_input = grad_output.matmul(weight)
         handle = None
-        if ctx.allreduce_dgrad:
-            # Column-parallel: the input was replicated across TP, its gradient is the sum.
-            handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        if ctx.sequence_parallel:
+            # Each rank's sequence slice gets the TP sum of its rows' gradients.
+            grad_input = torch.empty_like(input)
+            handle = dist.reduce_scatter_tensor(grad_input, grad_total_input.contiguous(), group=ctx.tp_group,
+                                                async_op=True)
+        else:
+            grad_input = grad_total_input
+            if ctx.allreduce_dgrad:
+                # Column-parallel: the input was replicated across TP, its gradient is the sum.
+                handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         sketch = ctx.sketch_owner.logra_sketch
         if sketch is not None:
-            sketch.accumulate(grad_2d, input.reshape(-1, input.shape[-1]))
+            sketch.accumulate(grad_2d, total_input.reshape(-1, total_input.shape[-1]))
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input, None, grad_bias, None, None, None, None
+        return grad_input, None, grad_bias, None, None, None, None, None
 
 
-def sketched_linear(input, weight, bias, sketch_owner, allreduce_dgrad: bool, tp_group):
+def sketched_linear(input, weight, bias, sketch_owner, allreduce_dgrad: bool, tp_group,
+                    sequence_parallel: bool = False):
     """Apply the sketching linear function; ``sketch_owner.logra_sketch`` (may be None) is read
     at backward time, so the optimizer can attach or swap it between steps."""
     return _SketchedLinearFunction.apply(
-        input, weight, bias, sketch_owner.logra_anchor, sketch_owner, allreduce_dgrad, tp_group
+        input, weight, bias, sketch_owner.logra_anchor, sketch_owner, allreduce_dgrad, tp_group, sequence_parallel
     )

@@ -19,10 +19,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron.models.config import ModelConfig, resolve_attention_backend
 from logra_megatron.models.sdpa_attention import SDPAttention
+from logra_megatron.models.sequence_parallel_norm import sequence_parallel_block_spec
 from logra_megatron.platform import cuda_available, default_device
 
 
@@ -168,6 +170,8 @@ def build_gpt_model(
         )
     if layer_spec is None:
         layer_spec = gpt_layer_spec()
+    if config.sequence_parallel and getattr(layer_spec, "module", None) is not TransformerBlock:
+        layer_spec = sequence_parallel_block_spec(config, layer_spec, vp_stage)
     virtual = vp_stage is not None  # one model chunk of several on this pipeline rank
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
