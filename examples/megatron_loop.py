@@ -15,6 +15,7 @@ between dense Adam and LoGRA (look for ``LOGRA``).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,13 +30,15 @@ from logra_megatron.layout import ParallelLayout
 from logra_megatron.models import get_preset
 from logra_megatron.models.build import build_gpt_model, causal_attention_mask, gpt_layer_spec, transformer_config
 from logra_megatron.models.weights import initialize_layout_independent
+from logra_megatron.platform.phases import PhaseTimer, phase
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", choices=("adam", "logra"), default="logra")
     parser.add_argument("--logra-rank", type=int, default=16, help="LoGRA's sketch rank")
-    parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: tiny's 4)")
+    parser.add_argument("--preset", default="tiny", help="model shape (logra_megatron.models presets; random weights)")
+    parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: the preset's)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
@@ -43,6 +46,8 @@ def parse_args(argv):
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--overlap-grad-reduce", action="store_true")
     parser.add_argument("--overlap-param-gather", action="store_true")
+    parser.add_argument("--ddp-bucket-size", type=int, default=None,
+                        help="elements per gradient bucket (Megatron's; LoGRA's sketch buckets too)")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=32)
@@ -62,13 +67,13 @@ def parse_args(argv):
                         help="exit (saving to --save) once the iteration is a multiple of this")
     args = parser.parse_args(argv)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model = get_preset("tiny")
+    model = get_preset(args.preset)
     if args.num_layers is not None:
         if args.num_layers < 1:
             raise UserError(f"--num-layers must be >= 1, got {args.num_layers}")
         model = dataclasses.replace(model, layers=args.num_layers)
     layout = ParallelLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size)
-    layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab, "tiny")
+    layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab, args.preset)
     args.virtual_pipeline = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = model.layers // args.pipeline_model_parallel_size
@@ -133,7 +138,7 @@ def get_model(args):
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         chunks.append(model_provider(args, pre, post, vp_stage))
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(chunk.config, ddp_config, chunk,
                                     disable_bucketing=(index > 0)) for index, chunk in enumerate(chunks)]
@@ -194,6 +199,9 @@ def train_step(args, model, optimizer, scheduler, batches, config):
         forward_step_func=partial(forward_step, attention_mask=mask), data_iterator=[iter(batches) for _ in model]
         if len(model) > 1 else iter(batches), model=model, num_microbatches=len(batches),
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+    # With --overlap-grad-reduce, LoGRA's sketch buckets whose all-reduce the backward started.
+    overlap = getattr(getattr(optimizer, "sketch_buffer", None), "overlap", None)
+    args.buckets_started_in_backward = (overlap.started, len(overlap.buckets)) if overlap is not None else None
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -296,8 +304,14 @@ def main(argv=None):
         next(batches)
     losses = []
     rank0 = torch.distributed.get_rank() == 0
+    # Wall time of every step after the first (warm-up), and of its exposed sketch reduction: the
+    # optimizer's "sketch_reduce" phase, what the backward did not hide (platform/phases.py).
+    timer, timed_steps, first = PhaseTimer(device), 0, iteration
     while iteration < args.train_iters:
-        loss, grad_norm = train_step(args, model, optimizer, scheduler, next(batches), config)
+        timed = iteration > first
+        with timer if timed else contextlib.nullcontext(), phase("step") if timed else contextlib.nullcontext():
+            loss, grad_norm = train_step(args, model, optimizer, scheduler, next(batches), config)
+        timed_steps += timed
         iteration += 1
         losses.append(loss)
         if rank0:
@@ -316,7 +330,12 @@ def main(argv=None):
         print(json.dumps({"optimizer": type(optimizer).__name__,
                           "megatron_optimizer": isinstance(optimizer, MegatronOptimizer),
                           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-                          "iterations": iteration, "losses": losses}), flush=True)
+                          "iterations": iteration, "losses": losses,
+                          "sketch_buckets_started_in_backward": getattr(args, "buckets_started_in_backward", None),
+                          "timed_steps": timed_steps,
+                          "step_s": timer.seconds.get("step", 0.0) / max(timed_steps, 1),
+                          "sketch_reduce_s": timer.seconds.get("sketch_reduce", 0.0) / max(timed_steps, 1)}),
+              flush=True)
     parallel.destroy()
 
 

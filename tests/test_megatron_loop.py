@@ -18,6 +18,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 COMMON = ["--num-layers", "6", "--global-batch-size", "12", "--train-iters", "4", "--lr-warmup-iters", "1"]
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
            "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+           "dp2": (2, []),
+           # small buckets: several sketch all-reduces, each started by the backward
+           "dp2-overlap": (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),
            "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"])}
 
 
@@ -43,7 +46,7 @@ def summary(proc):
 @pytest.fixture(scope="module")
 def runs():
     found = {}
-    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "pp3-vpp2")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
+    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "dp2", "dp2-overlap", "pp3-vpp2")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
         for name in layouts:
             nproc, extra = LAYOUTS[name]
             found[optimizer, name] = summary(loop(["--optimizer", optimizer, *COMMON, *extra], nproc))
@@ -75,6 +78,16 @@ def test_sequence_parallelism_gives_tp1s_losses(runs, optimizer):
     # over TP (the tag models/sequence_parallel_norm.py sets) moves the losses by ~1e-6 only.
     reference = runs[optimizer, "tp1"]["losses"]
     assert runs[optimizer, "tp2-sp"]["losses"] == pytest.approx(reference, rel=5e-7, abs=0)
+
+
+def test_overlapped_sketch_reduction_starts_in_the_backward_and_changes_nothing(runs):
+    blocking, overlapped = runs["logra", "dp2"], runs["logra", "dp2-overlap"]
+    assert blocking["sketch_buckets_started_in_backward"] is None
+    started, buckets = overlapped["sketch_buckets_started_in_backward"]
+    assert buckets > 1 and started == buckets  # every bucket's all-reduce began before optimizer.step()
+    # each element reduced once by the same collective: the blocking run's losses, to the bit
+    assert overlapped["losses"] == blocking["losses"]
+    assert blocking["losses"] == pytest.approx(runs["logra", "tp1"]["losses"], rel=1e-5, abs=0)
 
 
 def test_a_tp2_checkpoint_resumes_at_tp1_on_the_uninterrupted_losses(runs, tmp_path):

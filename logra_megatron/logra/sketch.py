@@ -53,6 +53,9 @@ class LinearSketch:
         # controller's forecast, docs/ALGORITHM.md "KL control"): (step, weight_decay, U) means
         # W + step * (-weight_decay * W - dW(U)); None: the weight as it is.
         self.preview: Optional[tuple] = None
+        # Called with this sketch after each backward adds to it (the overlapped reduction's
+        # report, logra/sketch_overlap.py); None: nobody listens.
+        self.on_accumulated = None
 
     @property
     def rank(self) -> int:
@@ -83,6 +86,8 @@ class LinearSketch:
                 self.norm_sample.addmm_(grad_output.t(), inputs @ self.norm_probe)
             else:  # Omega'^T G = (dY Omega')^T X, k x n
                 self.norm_sample.addmm_((grad_output @ self.norm_probe).t(), inputs)
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
 
     @torch.no_grad()
     def accumulate_lookup(self, ids: torch.Tensor, grad_output: torch.Tensor, valid: torch.Tensor) -> None:
@@ -95,6 +100,8 @@ class LinearSketch:
             self.range_sample.addmm_(grad_output.t(), self.test_matrix[ids])
         if self.norm_probe is not None:  # G Omega' = onehot^T (dY Omega')
             self.norm_sample.index_add_(0, ids, grad_output @ self.norm_probe)
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
 
     def update_from(self, low_rank_update: torch.Tensor) -> torch.Tensor:
         """Map a sketch-space update back to this weight shard's full size (a dense m x n

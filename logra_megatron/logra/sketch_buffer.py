@@ -15,7 +15,7 @@ It owns what is per weight and what is communicated:
 """
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
+from logra_megatron.logra.sketch_overlap import DEFAULT_BUCKET_NUMEL, OverlappedSketchReduction
 from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
 from logra_megatron.ops.norms import squared_norm
@@ -141,6 +142,24 @@ class SketchBuffer:
         self.slice_numel = padded // self.dp if self.zero1 else padded
         self.line_numel = line_offset
         """Length of flat per-line state (never sliced over DP)."""
+        self.overlap: Optional[OverlappedSketchReduction] = None
+        """The bucketed reduction that overlaps the backward (:meth:`overlap_with_backward`)."""
+        self._models = models
+
+    def overlap_with_backward(self, bucket_numel: Optional[int] = None) -> bool:
+        """Reduce in buckets during the last microbatch's backward (``logra/sketch_overlap.py``);
+        False (nothing changed) where it cannot help: one DP replica, or ZeRO-1 slices."""
+        if self.dp == 1 or self.zero1:
+            return False
+        self.overlap = OverlappedSketchReduction(self, parallel.dp_group(), bucket_numel or DEFAULT_BUCKET_NUMEL)
+        sites = {}
+        for model in self._models:
+            for module in model.modules():
+                sketch = getattr(module, "logra_sketch", None)
+                if sketch is not None:
+                    sites[id(sketch)] = sites.get(id(sketch), 0) + 1
+        self.overlap.expect_sites(sites)
+        return True
 
     @property
     def numel(self) -> int:
@@ -154,6 +173,8 @@ class SketchBuffer:
 
     def zero_(self) -> None:
         self.flat.zero_()
+        if self.overlap is not None:
+            self.overlap.reset()
 
     # --- data-parallel reduction -------------------------------------------------------------
 
@@ -162,6 +183,8 @@ class SketchBuffer:
         updates from (the whole flat buffer, or its ZeRO-1 slice)."""
         if self.dp == 1:
             return self.flat if not self.zero1 else self.flat.clone()
+        if self.overlap is not None:
+            return self.overlap.finish()
         if self.zero1:
             shard = self.flat.new_empty(self.flat.numel() // self.dp)
             dist.reduce_scatter_tensor(shard, self.flat, group=parallel.dp_group())

@@ -48,6 +48,7 @@ from logra_megatron.logra.masters import MasterWeights
 from logra_megatron.logra.refresh import REDRAW, RademacherRedraw, RangeFinderRefresh
 from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.logra.sketch_buffer import LINE, SketchBuffer
+from logra_megatron.logra.sketch_overlap import install_no_sync
 from logra_megatron.logra.update_rules import UPDATE_RULES
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.weights import gather_full
@@ -94,6 +95,12 @@ class SketchSpaceOptimizer(MegatronOptimizer):
         self.logra = logra_config
         self.model_chunks = list(model_chunks)
         self.sketch_buffer = SketchBuffer([unwrap_model(chunk) for chunk in self.model_chunks], logra_config)
+        # Megatron's --overlap-grad-reduce covers the sketches too: bucketed all-reduces started
+        # during the last microbatch's backward (logra/sketch_overlap.py).
+        ddp_config = getattr(self.model_chunks[0], "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_grad_reduce:
+            if self.sketch_buffer.overlap_with_backward(ddp_config.bucket_size):
+                install_no_sync(self.model_chunks, self.sketch_buffer.overlap)
         self.update_rule = UPDATE_RULES[update_rule or logra_config.update](self.sketch_buffer, config, logra_config)
         redraw = self.update_rule.projections == REDRAW
         self.refresh = (RademacherRedraw if redraw else RangeFinderRefresh)(logra_config, self.sketch_buffer)
@@ -135,10 +142,16 @@ class SketchSpaceOptimizer(MegatronOptimizer):
     def prepare_grads(self) -> bool:
         """Reduce the sketches (and on a refresh step the range-finder samples); True when the
         reduced sketch holds an inf or NaN on any rank."""
-        self.sketch_buffer.reduce_tied()
+        if self.sketch_buffer.overlap is not None:
+            # The DP reduction is in flight on the sketch buffer: let it land before the tied
+            # embedding's sum over stages touches the same memory (the two sums commute).
+            self.grads = self.sketch_buffer.reduce()
+            self.sketch_buffer.reduce_tied()
+        else:
+            self.sketch_buffer.reduce_tied()
+            self.grads = self.sketch_buffer.reduce()
         if self.is_refresh_step():
             self.refresh.reduce_samples()
-        self.grads = self.sketch_buffer.reduce()
         return self._sketch_not_finite(self.grads)
 
     def _sketch_not_finite(self, grads: torch.Tensor) -> bool:
