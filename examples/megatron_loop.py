@@ -77,10 +77,8 @@ def parse_args(argv):
     args.virtual_pipeline = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = model.layers // args.pipeline_model_parallel_size
-        # Megatron-Core refuses the interleaved schedule at PP <= 2 (its initialize_model_parallel):
-        # with two ranks, activations and gradients travel between the same pair of ranks both ways.
-        if args.pipeline_model_parallel_size <= 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            raise UserError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2 "
+        if args.pipeline_model_parallel_size < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise UserError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
                             f"and must divide the {per_stage} layers of a pipeline stage")
         args.virtual_pipeline = per_stage // args.num_layers_per_virtual_pipeline_stage
     if args.sequence_parallel and args.tensor_model_parallel_size < 2:

@@ -1,8 +1,9 @@
 """examples/megatron_loop.py, the Megatron-LM-shaped loop with LoGRA swapped in by two lines, run
-as a user runs it (torchrun): LoGRA's losses at TP=2, with sequence parallelism, and under the interleaved pipeline (PP=3,
-two model chunks per rank) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
-a checkpoint saved through ``dist_checkpointing`` at TP=2 resumes at TP=1 on the uninterrupted
-run's losses; bad flags are one line."""
+as a user runs it (torchrun): LoGRA's losses at TP=2, with sequence parallelism, at DP=2 with the
+overlapped sketch reduction, and under the interleaved pipeline (PP=3 and PP=2, with SP and
+overlap too) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
+a checkpoint saved through ``dist_checkpointing`` at TP=2 x PP=2 with the interleaved pipeline
+resumes at TP=1 and at PP=2 on the uninterrupted run's losses; bad flags are one line."""
 
 import json
 import os
@@ -21,7 +22,14 @@ LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
            "dp2": (2, []),
            # small buckets: several sketch all-reduces, each started by the backward
            "dp2-overlap": (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),
-           "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"])}
+           "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]),
+           # Every feature at once, on 4 ranks: the interleaved pipeline at PP=2 (3 chunks a rank)
+           # with sequence parallelism, and with DP=2 and the overlapped reduction.
+           "tp2-pp2-sp-vpp3": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"]),
+           "pp2-dp2-vpp3-overlap": (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                        "1", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+                                        "--micro-batch-size", "1"])}
 
 
 def loop(args, nproc=1, timeout=600):
@@ -46,7 +54,8 @@ def summary(proc):
 @pytest.fixture(scope="module")
 def runs():
     found = {}
-    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "dp2", "dp2-overlap", "pp3-vpp2")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
+    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "dp2", "dp2-overlap", "pp3-vpp2", "tp2-pp2-sp-vpp3",
+                                              "pp2-dp2-vpp3-overlap")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
         for name in layouts:
             nproc, extra = LAYOUTS[name]
             found[optimizer, name] = summary(loop(["--optimizer", optimizer, *COMMON, *extra], nproc))
@@ -66,7 +75,8 @@ def test_the_loop_takes_logra_as_a_megatron_optimizer(runs):
     assert all(ours != theirs for ours, theirs in zip(logra["losses"][2:], adam["losses"][2:]))
 
 
-@pytest.mark.parametrize("optimizer,layout", [("logra", "tp2"), ("logra", "pp3-vpp2"), ("adam", "pp3-vpp2")])
+@pytest.mark.parametrize("optimizer,layout", [("logra", "tp2"), ("logra", "pp3-vpp2"), ("adam", "pp3-vpp2"),
+                                              ("logra", "tp2-pp2-sp-vpp3"), ("logra", "pp2-dp2-vpp3-overlap")])
 def test_layouts_give_tp1s_losses(runs, optimizer, layout):
     reference = runs[optimizer, "tp1"]["losses"]
     assert runs[optimizer, layout]["losses"] == pytest.approx(reference, rel=1e-5, abs=0)
@@ -90,15 +100,17 @@ def test_overlapped_sketch_reduction_starts_in_the_backward_and_changes_nothing(
     assert blocking["losses"] == pytest.approx(runs["logra", "tp1"]["losses"], rel=1e-5, abs=0)
 
 
-def test_a_tp2_checkpoint_resumes_at_tp1_on_the_uninterrupted_losses(runs, tmp_path):
-    first = summary(loop(["--optimizer", "logra", *COMMON, *LAYOUTS["tp2"][1], "--save", str(tmp_path),
-                          "--exit-interval", "2"], 2))
+def test_a_tp2_pp2_vpp_checkpoint_resumes_at_tp1_and_at_pp2_on_the_uninterrupted_losses(runs, tmp_path):
+    nproc, layout = LAYOUTS["tp2-pp2-sp-vpp3"]
+    first = summary(loop(["--optimizer", "logra", *COMMON, *layout, "--save", str(tmp_path), "--exit-interval", "2"],
+                         nproc))
     assert first["iterations"] == 2 and (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    resumed = summary(loop(["--optimizer", "logra", *COMMON, "--load", str(tmp_path)]))
-    assert resumed["iterations"] == 4
     uninterrupted = runs["logra", "tp1"]["losses"]
     assert first["losses"] == pytest.approx(uninterrupted[:2], rel=1e-5, abs=0)
-    assert resumed["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5, abs=0)
+    for nproc, layout in ((1, []), (2, ["--pipeline-model-parallel-size", "2"])):
+        resumed = summary(loop(["--optimizer", "logra", *COMMON, *layout, "--load", str(tmp_path)], nproc))
+        assert resumed["iterations"] == 4
+        assert resumed["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5, abs=0), layout
     # the same checkpoint under the other optimizer: one line naming the checkpoint, exit 2
     other = direct(["--optimizer", "adam", *COMMON, "--load", str(tmp_path)])
     assert other.returncode == 2 and f"error: --load {tmp_path}/iter_0000002: " in other.stderr, other.stderr[-2000:]
@@ -107,7 +119,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1_on_the_uninterrupted_losses(runs, tmp_p
 
 @pytest.mark.parametrize("args,message", [
     (["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 2"),
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     (["--lr-warmup-iters", "4"], "--lr-warmup-iters (4) must be < --train-iters (4)"),
     (["--num-layers", "0"], "--num-layers must be >= 1"),
     (["--load", "/nonexistent"], "no latest_checkpointed_iteration.txt"),

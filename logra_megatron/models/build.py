@@ -105,6 +105,10 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=on_cuda and _apex_wgrad_fusion_available(),
         deallocate_pipeline_outputs=on_cuda,
+        # gloo (the CPU) pairs a batch of sends and receives between two ranks in the wrong order
+        # when both directions go to one peer, as the interleaved schedule at PP = 2 does (the
+        # first stage's next and previous rank are the same): single point-to-point calls there.
+        batch_p2p_comm=on_cuda,
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
