@@ -233,3 +233,83 @@ def test_the_issue_command_line_runs(tmp_path):
     assert json.loads((out / "summary.json").read_text())["finished"] is True
     assert not math.isnan(lrs[-1])
 
+
+# --- launch scripts (issue 34, item 7): the project's .venv when it exists, and they say which Python.
+
+FAKE_PYTHON = """#!/bin/sh
+echo "$0 $*" >> "$FAKE_LOG"
+case "$1" in -c) echo "Python 3.fake" ;; esac
+exit 0
+"""
+
+
+def _launch_copy(tmp_path, venv=True):
+    """The launch scripts in a repository of their own whose .venv (when ``venv``) holds a fake
+    Python that records how it was called."""
+    import hashlib
+    import shutil
+
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "launch", root / "launch")
+    shutil.copy(REPO / "setup.py", root / "setup.py")
+    log = tmp_path / "calls.log"
+    bin_dir = root / ".venv" / "bin" if venv else tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(FAKE_PYTHON)
+        (bin_dir / name).chmod(0o755)
+    if venv:
+        (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+        # setup_env.sh's stamp: installed already, nothing to do.
+        digest = hashlib.sha256((root / "setup.py").read_bytes()).hexdigest()[:16]
+        (root / ".venv" / ".logra_installed").write_text(f"{digest} extras=[]\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "LOGRA_VENV", "VIRTUAL_ENV")}
+    env.update(FAKE_LOG=str(log), PATH=f"{bin_dir if not venv else '/usr/bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    return root, env, log, bin_dir / "python"
+
+
+@pytest.mark.parametrize("script, args, skip_setup, called", [
+    ("gpu_check.sh", ["--cpu", "out"], False, "tools/gpu_check.py --cpu out"),
+    ("quickstart.sh", ["--train-iters", "1"], False, "-m logra_megatron.train --train-iters 1"),
+    ("torchrun_single_node.sh", ["2", "logra_megatron.smoke"], True,
+     "-m torch.distributed.run --standalone --nproc-per-node 2 -m logra_megatron.smoke"),
+    ("torchrun_single_node.sh", ["2", "logra_megatron.smoke"], False,
+     "-m torch.distributed.run --standalone --nproc-per-node 2 -m logra_megatron.smoke"),
+    ("scaling_sweep.sh", ["--layouts", "1x1", "--optimizers", "adam", "--out", "sweep"], True,
+     "-m torch.distributed.run --standalone --nproc-per-node 4 -m logra_megatron.smoke"),
+])
+def test_launch_scripts_run_the_projects_venv_and_say_so(tmp_path, script, args, skip_setup, called):
+    root, env, log, python = _launch_copy(tmp_path)
+    if skip_setup:
+        env["LOGRA_SKIP_SETUP"] = "1"
+    proc = subprocess.run(["bash", str(root / "launch" / script), *args], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[launch] python: {python} (Python 3.fake)" in proc.stderr
+    calls = log.read_text().splitlines()
+    assert any(line.startswith(str(python)) and called in line for line in calls), calls
+
+
+def test_without_a_venv_the_scripts_run_python3_and_say_so(tmp_path):
+    root, env, log, python3 = _launch_copy(tmp_path, venv=False)
+    python3 = python3.with_name("python3")
+    proc = subprocess.run(["bash", str(root / "launch" / "gpu_check.sh"), "--cpu", "out"], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[launch] python: {python3} (Python 3.fake)" in proc.stderr
+    assert any(line.startswith(str(python3)) and "tools/gpu_check.py" in line for line in log.read_text().splitlines())
+
+
+def test_every_launch_script_picks_its_python_in_one_place():
+    """No script runs a bare ``python`` or ``torchrun`` (whichever is first on PATH): each takes
+    ``$PYTHON`` from launch/python_env.sh (directly or through setup_env.sh)."""
+    import re
+
+    scripts = sorted((REPO / "launch").glob("*.sh"))
+    assert len(scripts) >= 9
+    for path in scripts:
+        text = path.read_text()
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        if path.name != "python_env.sh":
+            assert "python_env.sh" in code or "setup_env.sh" in code, path.name
+        assert not re.search(r"(^|[\s(;&|])(python|torchrun)\s", code, flags=re.M), path.name
