@@ -313,3 +313,53 @@ def test_every_launch_script_picks_its_python_in_one_place():
         if path.name != "python_env.sh":
             assert "python_env.sh" in code or "setup_env.sh" in code, path.name
         assert not re.search(r"(^|[\s(;&|])(python|torchrun)\s", code, flags=re.M), path.name
+
+
+# --- tokenizers (issue 34, item 8): Megatron-LM's HuggingFaceTokenizer with a local folder.
+
+def _hf_folder(directory, vocab_size=120):
+    """A local tokenizer folder as save_pretrained leaves it: tokenizer.json (a character BPE over
+    printable ASCII, trained here) and tokenizer_config.json naming its end-of-sequence token."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()  # pieces joined as they are (no spaces between them)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<unk>", "<pad>"],
+                                  initial_alphabet=list(string.printable))
+    tokenizer.train_from_iterator([f"{a}+{b}={a + b}" for a in range(150) for b in range(0, 150, 7)], trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return directory
+
+
+def test_huggingface_tokenizer_from_a_local_folder_as_megatron_names_it(tmp_path):
+    folder = _hf_folder(tmp_path / "tokenizer")
+    config = parse_train_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder)],
+                              world_size=1)
+    from logra_megatron.rl.tokenizers import build_run_tokenizer
+
+    tokenizer = build_run_tokenizer(config.model, config.load_dir)
+    assert str(tokenizer.tokenizer_file) == str(folder / "tokenizer.json") and tokenizer.eos_id == 0
+    assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
+    # A fresh tiny model gets as many embedding rows as the tokenizer has ids (Megatron sizes a
+    # fresh model's vocabulary from its tokenizer), also beyond the preset's 256.
+    assert config.model_config.vocab == tokenizer.vocab_size
+    wide = _hf_folder(tmp_path / "wide", vocab_size=400)
+    config = parse_train_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(wide)],
+                              world_size=1)
+    assert config.model_config.vocab > 256
+
+
+def test_a_folder_without_tokenizer_json_says_how_to_make_one(tmp_path, capsys):
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("")
+    from logra_megatron.train import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1
+    assert "no tokenizer.json" in err[0] and "merges.txt, vocab.json" in err[0] and "save_pretrained" in err[0]

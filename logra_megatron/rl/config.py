@@ -512,8 +512,10 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
     else:
         model = heads_for_the_engine(config, _preset_with_heads(config.model))
     tokenizer = build_run_tokenizer(config.model, load_dir)
-    if load_dir is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
-        model = model.with_changes(vocab=tokenizer.vocab_size)  # the embedded default: no unused rows
+    if load_dir is None and config.model.preset == "tiny":
+        # Fresh weights of the toy preset: as many embedding rows as the tokenizer has ids (the
+        # embedded tokenizer's, or a --tokenizer-model's, as Megatron sizes a fresh model's vocabulary).
+        model = model.with_changes(vocab=tokenizer.vocab_size)
     if tokenizer.vocab_size > model.vocab:
         raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model.vocab}")
     model = _untied(config.model, model, load_dir)
