@@ -3,7 +3,9 @@
 # e.g. bash launch/torchrun_single_node.sh 4 logra_megatron.smoke \
 #        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 # With --max-restarts K, torchrun restarts the whole job up to K times when a rank dies; the
-# trainer then resumes from the latest complete checkpoint under --save (or --load).
+# restarted trainer (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest complete checkpoint
+# under --load, or without --load under --save (it says which on its first line; with nothing
+# saved yet it starts over). Give --save with --save-interval N so a restart loses at most N steps.
 # LOGRA_SKIP_SETUP=1 installs nothing: the Python is PYTHON, else the project's .venv when it
 # exists, else python3 (launch/python_env.sh; the script says which).
 set -euo pipefail

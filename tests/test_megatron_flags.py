@@ -363,3 +363,54 @@ def test_a_folder_without_tokenizer_json_says_how_to_make_one(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1
     assert "no tokenizer.json" in err[0] and "merges.txt, vocab.json" in err[0] and "save_pretrained" in err[0]
+
+
+# --- restarts (issue 34, item 5): a torchrun restart without --load resumes from --save.
+
+def test_a_torchrun_restart_without_load_resumes_from_the_newest_checkpoint_under_save(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from logra_megatron.checkpoint_layout import iteration_dir, write_manifest
+
+    save = tmp_path / "ckpt"
+    for number in (2, 4):
+        save_model_config(PRESETS["tiny"], iteration_dir(str(save), number))
+        write_manifest(iteration_dir(str(save), number))
+    os.makedirs(iteration_dir(str(save), 6))  # a save cut short: no manifest, skipped
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert parse_train_args(["--save", str(save)], world_size=1).load_dir is None  # the first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    config = parse_train_args(["--save", str(save)], world_size=1)
+    assert config.load_dir == iteration_dir(str(save), 4)
+    assert f"torchrun restart 1: no --load given, so the newest complete checkpoint under --save {save}: " \
+           f"resuming from {iteration_dir(str(save), 4)}" in capsys.readouterr().out
+    # Nothing saved yet: the restart starts over, and says so.
+    config = parse_train_args(["--save", str(tmp_path / "empty")], world_size=1)
+    assert config.load_dir is None and "starts over" in capsys.readouterr().out
+    # An explicit --load wins.
+    config = parse_train_args(["--save", str(save), "--load", str(save), "--ckpt-step", "2"], world_size=1)
+    assert config.load_dir == iteration_dir(str(save), 2)
+
+
+def test_a_restarted_run_continues_where_it_saved(tmp_path):
+    """Two attempts of one job, as torchrun runs them after a rank died: the first stops after
+    iteration 2 (saved), the second (TORCHELASTIC_RESTART_COUNT=1, the same flags, no --load)
+    goes on from iteration 2 instead of starting again with the warm-up."""
+    out, save = tmp_path / "out", tmp_path / "ckpt"
+    common = ["--warmup-iters", "2", "--max-operand", "4", "--train-iters", "3", "--eval-prompts", "4",
+              "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "4", "--kl-probe-sequences", "2",
+              "--no-progress", "--save", str(save), "--save-interval", "1", "--output-dir", str(out)]
+
+    def attempt(extra, restart):
+        env = dict(ENV, TORCHELASTIC_RESTART_COUNT=str(restart))
+        return subprocess.run([sys.executable, "-m", "logra_megatron.train", *common, *extra], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=REPO)
+
+    first = attempt(["--exit-interval", "2"], 0)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = attempt([], 1)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "warm-up 1/2" not in second.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [(row["phase"], row["step"]) for row in rows] == [("warmup", 0), ("warmup", 1), ("rl", 0), ("rl", 1),
+                                                             ("rl", 2)]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

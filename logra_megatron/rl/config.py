@@ -503,6 +503,7 @@ def widened_heads_line(config: TrainConfig) -> Optional[str]:
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    config = _resume_after_restart(config)
     load_dir = _checkpoint_to_load(config.checkpoint)
     if load_dir is not None:
         if config.model.num_attention_heads is not None or config.model.num_query_groups is not None:
@@ -675,6 +676,35 @@ def _check_sequence_length(config: TrainConfig, tokenizer, model: ModelConfig, n
         raise UserError(
             f"--max-new-tokens {new} + the longest prompt ({longest} tokens) exceeds the max sequence length "
             f"{model.max_seq} of {name}; lower --max-new-tokens{hint}")
+
+
+def _restart_count() -> int:
+    """Which attempt of a torchrun job this is (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _resume_after_restart(config: TrainConfig) -> TrainConfig:
+    """A job torchrun restarted (``--max-restarts``) continues where it saved: with ``--save`` and
+    no ``--load``, the restarted attempt loads the newest complete checkpoint under ``--save``
+    (as ``--load`` = ``--save`` would), or starts over when the attempts before saved nothing.
+    Without this, the restart would begin again at step 0 and overwrite what they saved."""
+    attempt, checkpoint = _restart_count(), config.checkpoint
+    if attempt < 1 or checkpoint.load is not None:
+        return config
+    loud = os.environ.get("RANK", "0") == "0"
+    if not checkpoint.save:
+        if loud:
+            print(f"torchrun restart {attempt}: no --save, so nothing to resume from; the run starts over", flush=True)
+        return config
+    if loud:
+        chosen = select_checkpoint(checkpoint.save, warn=lambda message: None) if os.path.isdir(checkpoint.save) else None
+        where = f"resuming from {chosen[1]}" if chosen else "nothing saved there yet, so the run starts over"
+        print(f"torchrun restart {attempt}: no --load given, so the newest complete checkpoint under --save "
+              f"{checkpoint.save}: {where}", flush=True)
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(checkpoint, load=checkpoint.save))
 
 
 def _checkpoint_to_load(checkpoint: CheckpointConfig) -> Optional[str]:
