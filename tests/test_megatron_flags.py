@@ -414,3 +414,18 @@ def test_a_restarted_run_continues_where_it_saved(tmp_path):
     assert [(row["phase"], row["step"]) for row in rows] == [("warmup", 0), ("warmup", 1), ("rl", 0), ("rl", 1),
                                                              ("rl", 2)]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_the_smoke_job_takes_the_same_megatron_flags_with_the_same_refusals(capsys):
+    from logra_megatron.smoke import main, parse_args
+
+    args = parse_args(["--global-batch-size", "8", "--seq-length", "32", "--transformer-impl", "local",
+                       "--ckpt-format", "torch_dist"])
+    assert (args.global_batch_size, args.seq_length, args.transformer_impl, args.ckpt_format) == \
+        (8, 32, "local", "torch_dist")
+    for argv, message in ((["--transformer-impl", "transformer_engine"], "not supported yet"),
+                          (["--ckpt-format", "zarr"], "only torch_dist"), (["--fp16"], "--fp16 is not supported")):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
