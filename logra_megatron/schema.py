@@ -53,6 +53,11 @@ def flag_of(item: dataclasses.Field) -> str:
     return item.metadata[_KEY]["flag"] or "--" + item.name.replace("_", "-")
 
 
+def positive_flag_of(item: dataclasses.Field) -> Optional[str]:
+    """A negative switch's second, Megatron-spelled flag (``--exit-signal-handler``), or None."""
+    return item.metadata[_KEY].get("positive_flag")
+
+
 def _default_of(item: dataclasses.Field):
     if item.default is not dataclasses.MISSING:
         return item.default

@@ -429,3 +429,14 @@ def test_the_smoke_job_takes_the_same_megatron_flags_with_the_same_refusals(caps
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_exit_signal_handler_as_a_yaml_key_says_the_value_itself(tmp_path):
+    for text, expected in (("exit-signal-handler: true\n", True), ("exit_signal_handler: false\n", False),
+                           ("no-exit-signal-handler: true\n", False)):
+        (tmp_path / "run.yaml").write_text(text)
+        assert parse_train_args(["--config", str(tmp_path / "run.yaml")], world_size=1).run.exit_signal_handler \
+            is expected, text
+    (tmp_path / "run.yaml").write_text("exit-signal-handler: true\nno-exit-signal-handler: true\n")
+    with pytest.raises(UserError, match="set the same option"):
+        parse_train_args(["--config", str(tmp_path / "run.yaml")], world_size=1)
