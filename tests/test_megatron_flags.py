@@ -201,7 +201,7 @@ def test_a_load_start_has_no_warmup_by_default_and_the_summary_says_which_lr_gov
     assert "supervised warm-up 150 steps at --warmup-lr 0.003" in line and "RL 500 iters at --lr 0.0003" in line
     loaded = parse_train_args(["--load", _pretrained_checkpoint(tmp_path / "pretrained")], world_size=1)
     assert loaded.warmup.iters == 0
-    assert lr_phases_line(loaded).startswith("lr: no supervised warm-up (--load given); RL 500 iters at --lr")
+    assert lr_phases_line(loaded).startswith("lr: no supervised warm-up (a checkpoint is loaded); RL 500 iters at --lr")
     # Asked for, the warm-up runs on a checkpoint too.
     asked = parse_train_args(["--load", str(tmp_path / "pretrained"), "--warmup-iters", "5"], world_size=1)
     assert asked.warmup.iters == 5

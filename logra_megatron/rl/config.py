@@ -111,7 +111,6 @@ own modules, and torch's SDPA for core attention: see ``--attention-backend``)."
 CKPT_FORMATS = ("torch_dist",)
 """Megatron's ``--ckpt-format`` values the trainer reads and writes: ``torch_dist``
 (Megatron-Core's ``dist_checkpointing``, Megatron-LM's default), the only format it knows."""
-WANDB_FLAGS = ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
 
 def parse_transformer_impl(text) -> str:
@@ -281,9 +280,10 @@ class RolloutConfig:
                 _at_least(self, 1, name)
 
     def with_group_size(self, group_size: int) -> "RolloutConfig":
-        """The prompts per step and the global batch both set, from what the user gave: Megatron's
-        ``--global-batch-size`` counts rollout rows, ``--prompts-per-step`` prompts of
-        ``group_size`` rows each."""
+        """The prompts per step, from what the user gave: Megatron's ``--global-batch-size``
+        counts rollout rows, ``--prompts-per-step`` prompts of ``group_size`` rows each
+        (``global_batch_size`` stays as given: :attr:`TrainConfig.global_batch_size` is the
+        resolved one)."""
         prompts, rows = self.prompts_per_step, self.global_batch_size
         if rows is not None:
             if rows % group_size:
@@ -295,7 +295,7 @@ class RolloutConfig:
                                 f"{prompts * group_size} rollout rows; give one of them")
             prompts = rows // group_size
         prompts = DEFAULT_PROMPTS_PER_STEP if prompts is None else prompts
-        return dataclasses.replace(self, prompts_per_step=prompts, global_batch_size=prompts * group_size)
+        return dataclasses.replace(self, prompts_per_step=prompts)
 
 
 DEFAULT_WARMUP_ITERS = 150
@@ -563,7 +563,7 @@ def lr_phases_line(config: TrainConfig) -> str:
         shape = "constant" if warmup.min_lr is None else f"cosine to --warmup-min-lr {warmup.min_lr:g}"
         first = f"supervised warm-up {warmup.iters} steps at --warmup-lr {warmup.lr:g} ({shape})"
     else:
-        why = "--load given" if config.load_dir else "--warmup-iters 0"
+        why = "a checkpoint is loaded" if config.load_dir else "--warmup-iters 0"
         first = f"no supervised warm-up ({why})"
     decay_iters = schedule.decay_iters(config.run.train_iters)
     style = schedule.lr_decay_style
