@@ -32,6 +32,8 @@ setup(
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is unrelated): build it from source, see
         # README. Transformer Engine needs CUDA to install and import.
         "gpu": ["transformer-engine[pytorch]"],
+        # --wandb-project: metrics also to a wandb run (offline mode; `wandb sync` uploads it).
+        "wandb": ["wandb"],
         # --rollout-engine vllm. The CPU build of vLLM; on a CUDA machine install `vllm` instead
         # (`pip install vllm`). After installing, remove torchvision torchaudio torchcodec, which
         # the resolver pulls in builds that do not load against the CPU torch

@@ -7,8 +7,9 @@
 # stages on the tiny preset on the CPU (what CI runs). Writes OUT_DIR/report.json, report.md and
 # stages.log; exits 1 when a stage failed.
 set -uo pipefail
+# The Python: PYTHON, else the project's .venv when it exists, else python3 (launch/python_env.sh).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+source "$ROOT/launch/python_env.sh"
 WHEELS=""
 ARGS=()
 while [ $# -gt 0 ]; do

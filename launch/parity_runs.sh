@@ -27,6 +27,8 @@
 # prints each row's best lr (--best-lr ROW), which the seeded runs read.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
+source launch/python_env.sh  # PYTHON, else .venv when it exists, else python3
 usage="usage: parity_runs.sh smollm2|tiny OUT search | parity_runs.sh smollm2|tiny OUT [SEEDS...]"
 kind=${1:?$usage}
 out=${2:?$usage}
@@ -46,8 +48,8 @@ case $kind in
     models=$out/models
     # The only pretrained model that installs offline, exported and converted as README.md shows.
     if [ ! -f "$models/smollm2-mc/model_config.json" ]; then
-      python tools/export_smollm2.py --out "$models/smollm2-hf" --dtype fp32
-      python tools/convert_hf_to_mcore.py --hf-dir "$models/smollm2-hf" --save "$models/smollm2-mc"
+      "$PYTHON" tools/export_smollm2.py --out "$models/smollm2-hf" --dtype fp32
+      "$PYTHON" tools/convert_hf_to_mcore.py --hf-dir "$models/smollm2-hf" --save "$models/smollm2-mc"
     fi
     # chain_sum with two 1-2 digit terms: SmolLM2-135M-Instruct answers ~28% of the held-out
     # problems greedily, so RL has reward to work with and room to grow. The chat template and
@@ -113,7 +115,7 @@ warm_start() {  # warm_start SEED: OUT/warm_s<SEED>/ckpt, made once
   until claim "$dir"; do sleep 10; done  # (another invocation is making it: wait for it)
   if [ -f "$dir/summary.json" ]; then rm -f "$dir/claimed_by"; return 0; fi
   echo "$(date -u +%FT%TZ) start $kind warm-up seed $1" | tee -a "$out/progress.log"
-  python -m logra_megatron.train "${common[@]}" "${extra[@]}" --train-iters 0 --seed "$1" --output-dir "$dir" \
+  "$PYTHON" -m logra_megatron.train "${common[@]}" "${extra[@]}" --train-iters 0 --seed "$1" --output-dir "$dir" \
     --save "$dir/ckpt" >> "$dir/log.txt" 2>&1 || {
     echo "error: the warm-up of seed $1 failed (see $dir/log.txt)" >&2; exit 1; }
   rm -f "$dir/claimed_by"
@@ -141,7 +143,7 @@ run_one() {  # run_one DIR ROW SEED LR: one run, resumable, skipped when finishe
   fi
   echo "$(date -u +%FT%TZ) start $kind $row seed $seed lr $lr" | tee -a "$out/progress.log"
   # In the background and waited for, so that a signal to this script runs its trap at once.
-  python -m logra_megatron.train "${flags[@]}" >> "$dir/log.txt" 2>&1 &
+  "$PYTHON" -m logra_megatron.train "${flags[@]}" >> "$dir/log.txt" 2>&1 &
   child=$!
   wait "$child" || true
   while kill -0 "$child" 2> /dev/null; do wait "$child" || true; done  # (a trap interrupted the wait)
@@ -169,7 +171,7 @@ if [ "$mode" = search ]; then
       run_one "$out/lr_search/${row}_lr${lr}_s${search_seed}" "$row" "$search_seed" "$lr"
     done
   done
-  python tools/plot_parity.py --runs "$out" --name "${kind}_lr_search" --out-dir "$out"
+  "$PYTHON" tools/plot_parity.py --runs "$out" --name "${kind}_lr_search" --out-dir "$out"
   exit 0
 fi
 
@@ -177,7 +179,7 @@ seeds=${*:-$default_seeds}
 declare -A best
 for row in $rows; do
   if [ -n "${LR:-}" ]; then best[$row]=$LR; continue; fi
-  best[$row]=$(python tools/plot_parity.py --runs "$out" --best-lr "$row") || {
+  best[$row]=$("$PYTHON" tools/plot_parity.py --runs "$out" --best-lr "$row") || {
     echo "error: no finished learning-rate search for $row: run 'bash launch/parity_runs.sh $kind $out search' first" >&2
     exit 2; }
   echo "$(date -u +%FT%TZ) $row: best lr ${best[$row]} (the search's)" | tee -a "$out/progress.log"

@@ -8,4 +8,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh" ""
 cd "$ROOT"
-python -m logra_megatron.train "$@"
+"$PYTHON" -m logra_megatron.train "$@"

@@ -11,7 +11,8 @@
 # is listed as skipped, with the reason. Arguments after -- go to every smoke run (e.g.
 # --logra-rank 16, --seq-length 64). Per run: DIR/tp{T}_pp{P}_{optimizer}.{json,log}; the
 # table: DIR/table.md and DIR/table.json. Exit status 1 when a run failed.
-# LOGRA_SKIP_SETUP=1 uses the active Python environment as it is.
+# LOGRA_SKIP_SETUP=1 installs nothing: the Python is PYTHON, else the project's .venv when it
+# exists, else python3 (launch/python_env.sh; the script says which).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="runs/scaling_sweep"; STEPS=3; NPROC=4; PRESET="tiny"; OPTIMIZERS="adam logra"
@@ -33,6 +34,8 @@ while [ $# -gt 0 ]; do
 done
 if [ "${LOGRA_SKIP_SETUP:-0}" != "1" ]; then
     source "$ROOT/launch/setup_env.sh" ""
+else
+    source "$ROOT/launch/python_env.sh"
 fi
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -47,7 +50,7 @@ for layout in $LAYOUTS; do
         ARGS=(--preset "$PRESET" --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
               --optimizer "$OPTIMIZER" --train-iters "$STEPS" "${SMOKE_ARGS[@]}")
         status=0
-        reason="$(python tools/scaling_sweep.py check --nproc "$NPROC" -- "${ARGS[@]}" 2>&1)" || status=$?
+        reason="$("$PYTHON" tools/scaling_sweep.py check --nproc "$NPROC" -- "${ARGS[@]}" 2>&1)" || status=$?
         if [ "$status" = 3 ]; then
             echo "$reason" > "$OUT/$NAME.skip"
             echo "[sweep] $NAME: skipped: $reason"
@@ -57,7 +60,7 @@ for layout in $LAYOUTS; do
             exit 2
         fi
         echo "[sweep] $NAME: running on $NPROC ranks ($STEPS steps + 1 measured)"
-        if ! python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        if ! "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
                 -m logra_megatron.smoke "${ARGS[@]}" --report-json "$OUT/$NAME.json" \
                 > "$OUT/$NAME.log" 2>&1; then
             echo "[sweep] $NAME: FAILED, see $OUT/$NAME.log" >&2
@@ -65,7 +68,7 @@ for layout in $LAYOUTS; do
         fi
     done
 done
-python tools/scaling_sweep.py table --out "$OUT" --layouts "$LAYOUTS" --optimizers "$OPTIMIZERS" \
+"$PYTHON" tools/scaling_sweep.py table --out "$OUT" --layouts "$LAYOUTS" --optimizers "$OPTIMIZERS" \
     --nproc "$NPROC"
 echo "[sweep] table: $OUT/table.md, $OUT/table.json"
 exit "$failed"

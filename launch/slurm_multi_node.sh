@@ -15,7 +15,8 @@ ROOT="${LOGRA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 MASTER_PORT="${MASTER_PORT:-29500}"
+source "$ROOT/launch/python_env.sh"  # PYTHON, else ROOT/.venv when it exists, else python3
 srun --kill-on-bad-exit=1 bash -c "
-  source '$ROOT/.venv/bin/activate' && cd '$ROOT' &&
-  torchrun --nnodes \$SLURM_NNODES --node-rank \$SLURM_NODEID --nproc-per-node $GPUS_PER_NODE \
+  cd '$ROOT' &&
+  '$PYTHON' -m torch.distributed.run --nnodes \$SLURM_NNODES --node-rank \$SLURM_NODEID --nproc-per-node $GPUS_PER_NODE \
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT -m $MODULE $*"

@@ -7,4 +7,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh" "test,hf,rl,plot,rollout"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python -m pytest -q "$@"
+"$PYTHON" -m pytest -q "$@"

@@ -63,6 +63,9 @@ def _yaml_keys() -> Dict[str, Tuple[str, dataclasses.Field]]:
         for item, _spec in schema.options_of(_section_class(section)):
             name = schema.flag_of(item).lstrip("-")
             keys[name] = keys[name.replace("-", "_")] = (section, item)
+            if schema.positive_flag_of(item):  # Megatron's spelling of a switch: its value is the field's
+                positive = schema.positive_flag_of(item).lstrip("-")
+                keys[positive] = keys[positive.replace("-", "_")] = (section, item)
     return keys
 
 
@@ -167,7 +170,10 @@ def _read_yaml(path: str) -> Dict[str, dict]:
                             f"option; keep one")
         given[f"{section}.{item.name}"] = str(key)
         try:
-            sections.setdefault(section, {})[item.name] = schema.yaml_value(item, value)
+            parsed = schema.yaml_value(item, value)
+            if name.replace("_", "-") == (schema.positive_flag_of(item) or "").lstrip("-"):
+                parsed = not parsed  # yaml_value reads a negative switch's key; this key says the value itself
+            sections.setdefault(section, {})[item.name] = parsed
         except (TypeError, ValueError, ArithmeticError, UserError) as error:
             reason = str(error).splitlines()[0] if str(error) else "invalid value"
             raise UserError(f"config file {path}: {key} has an invalid value {_short(value)} ({reason})") from None

@@ -24,16 +24,21 @@ _KEY = "logra_option"
 
 def option(default: Any = dataclasses.MISSING, *, help: str, flag: Optional[str] = None,
            choices: Optional[Sequence] = None, parse: Optional[Callable[[str], Any]] = None,
-           negative: bool = False, default_factory: Any = dataclasses.MISSING):
+           negative: bool = False, default_factory: Any = dataclasses.MISSING,
+           positive_flag: Optional[str] = None):
     """A dataclass field that is also a command-line flag and a YAML key.
 
     ``flag`` defaults to ``--<field-name-with-dashes>``. ``parse`` turns the flag's text into a
     value (default: from the field's type). A bool field is a switch: ``--flag`` sets True, or
     with ``negative=True`` (for a field that defaults to True) the flag sets it False, as
-    ``--no-progress`` does.
+    ``--no-progress`` does. ``positive_flag`` (a negative switch only) is a second flag that sets
+    the field True, its default: Megatron spells some switches that are on here by default
+    (``--exit-signal-handler``), and a Megatron command line that passes them must parse.
     """
+    if positive_flag is not None and not negative:
+        raise TypeError("positive_flag is the other spelling of a negative switch")
     metadata = {_KEY: {"help": help, "flag": flag, "choices": tuple(choices) if choices else None,
-                       "parse": parse, "negative": negative}}
+                       "parse": parse, "negative": negative, "positive_flag": positive_flag}}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -46,6 +51,11 @@ def options_of(config_class) -> list:
 
 def flag_of(item: dataclasses.Field) -> str:
     return item.metadata[_KEY]["flag"] or "--" + item.name.replace("_", "-")
+
+
+def positive_flag_of(item: dataclasses.Field) -> Optional[str]:
+    """A negative switch's second, Megatron-spelled flag (``--exit-signal-handler``), or None."""
+    return item.metadata[_KEY].get("positive_flag")
 
 
 def _default_of(item: dataclasses.Field):
@@ -114,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser, section: str, config_class, t
         if _base_type(item.type) is bool:
             action = "store_false" if spec["negative"] else "store_true"
             group.add_argument(flag_of(item), action=action, help=spec["help"], **common)
+            if spec.get("positive_flag"):
+                group.add_argument(spec["positive_flag"], action="store_true",
+                                   help=f"accepted for Megatron command lines: the default (see {flag_of(item)})",
+                                   **common)
             continue
         shown = "" if default in (None, "") else f" (default: {default})"
         group.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"],

@@ -45,11 +45,21 @@ def parse_args(argv=None):
                              "state by component, peak step bytes, bytes passed to each collective "
                              "by TP/PP/DP group) and write all ranks' figures to PATH (rank 0 writes)")
     from logra_megatron import schema
+    from logra_megatron.rl.config import parse_ckpt_format, parse_transformer_impl
     from logra_megatron.training.config import RecomputeConfig
+
+    # Megatron's flags a Megatron command line passes, with the trainer's rules (docs/MEGATRON_FLAGS.md).
+    parser.add_argument("--transformer-impl", type=parse_transformer_impl, default="local",
+                        help="local (Megatron-Core's own layers; transformer_engine is not supported yet)")
+    parser.add_argument("--ckpt-format", type=parse_ckpt_format, default="torch_dist",
+                        help="format of --load: torch_dist (Megatron-Core dist_checkpointing), the only one")
+    parser.add_argument("--fp16", action="store_true", help="refused: no loss scaling (the smoke job runs fp32)")
 
     schema.add_arguments(parser, "recompute", RecomputeConfig, "activation recomputation")
     args = parser.parse_args(argv)
     args.recompute = RecomputeConfig(**schema.values_for(args, "recompute", RecomputeConfig))
+    if args.fp16:
+        parser.error("--fp16 is not supported: fp16 training needs loss scaling, which is not implemented")
     for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -136,7 +136,13 @@ class HuggingFaceTokenizer(Tokenizer):
         path = Path(path)
         self.tokenizer_file = path / "tokenizer.json" if path.is_dir() else path
         if not self.tokenizer_file.is_file():
-            raise UserError(f"no tokenizer.json at {path}")
+            # Megatron-LM's HuggingFaceTokenizer goes through transformers' AutoTokenizer, which
+            # also reads a slow tokenizer's files; here the fast tokenizer's tokenizer.json is read.
+            slow = sorted(name for name in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+                          if path.is_dir() and (path / name).is_file())
+            hint = (f" (it has {', '.join(slow)}: write tokenizer.json once with transformers: "
+                    f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))") if slow else ""
+            raise UserError(f"no tokenizer.json at {path}{hint}")
         try:
             self._tokenizer = FastTokenizer.from_file(str(self.tokenizer_file))
         except Exception as error:  # the tokenizers package raises a bare Exception
@@ -200,7 +206,7 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model) -> Tokenizer:
     """The tokenizer named by a Megatron-style type and its model file.
 
     ``SentencePieceTokenizer`` (aliases ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``)
-    takes a ``.model`` file; ``HuggingFaceTokenizer`` takes a ``tokenizer.json`` or a folder
+    takes a ``.model`` file; ``HuggingFaceTokenizer`` (Megatron-LM's name) takes a ``tokenizer.json`` or a local folder
     holding one.
     """
     known = SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES

@@ -30,7 +30,7 @@ from dist_harness import REPO
 import logra_megatron
 import logra_megatron.rl
 from logra_megatron import schema
-from logra_megatron.config import SECTIONS, build_parser
+from logra_megatron.config import SECTIONS, _section_class, build_parser
 from logra_megatron.rl.config import TrainConfig
 
 SEED = 20240611
@@ -209,8 +209,9 @@ def generated_cases() -> List[Case]:
         argv = [typo] if BY_FLAG[flag].kind == "bool" else [typo, "1"]
         cases.append(Case(f"unknown-{typo[2:]}", "unknown flag / missing value", argv, needle=typo))
     for argv, needle in (
-            (["--seq-length", "32"], "--seq-length"), (["--global-batch-size", "8"], "--global-batch-size"),
-            (["--fp16"], "--fp16"), (["-x"], "-x"), (["run.yaml"], "run.yaml"), (["---lr", "1"], "---lr"),
+            # Megatron flags the trainer does not take (a preset or --load decides the shape).
+            (["--num-layers", "32"], "--num-layers"), (["--hidden-size", "8"], "--hidden-size"),
+            (["--fp8-format"], "--fp8-format"), (["-x"], "-x"), (["run.yaml"], "run.yaml"), (["---lr", "1"], "---lr"),
             (["--micro", "4"], "--micro"), (["--no-prog"], "--no-prog"),
             (["--bogus\nflag"], "--bogus"), (["--lr", "1e-3", "extra", "args"], "extra")):
         cases.append(Case(f"unknown-{needle.strip('-')[:12]}", "unknown flag / missing value", argv, needle=needle))
@@ -474,4 +475,8 @@ def test_every_flag_of_the_parser_is_in_the_schema():
     """The fuzzer derives its flags from the schema; the parser must not have others."""
     parser = build_parser()
     flags = {s for action in parser._actions for s in action.option_strings}
-    assert flags == set(BY_FLAG) | {"--config", "-h", "--help"}
+    # A negative switch's Megatron spelling (--exit-signal-handler) is its second flag, in the schema too.
+    positive = {spec["positive_flag"] for section, _ in SECTIONS
+                for _item, spec in schema.options_of(_section_class(section)) if spec.get("positive_flag")}
+    assert positive == {"--exit-signal-handler"}
+    assert flags == set(BY_FLAG) | positive | {"--config", "-h", "--help"}

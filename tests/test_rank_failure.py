@@ -29,6 +29,7 @@ def launch(tmp_path, restarts, kill_rank=2, kill_step=3):
     env = dict(os.environ, OMP_NUM_THREADS="1", LOGRA_SKIP_SETUP="1",
                **{KILL_AT_ENV: f"rl:step:{kill_step}@{kill_rank}", KILL_LOG_ENV: str(log)})
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # torchrun of this environment
+    env["PYTHON"] = sys.executable  # (launch/python_env.sh: the test's interpreter runs the ranks)
     ckpt = str(tmp_path / "ckpt")
     command = ["bash", str(REPO / "launch" / "torchrun_single_node.sh")]
     if restarts:

@@ -23,7 +23,7 @@ def counter(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling_sweep")
-    env = dict(os.environ, LOGRA_SKIP_SETUP="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, LOGRA_SKIP_SETUP="1", OMP_NUM_THREADS="1", PYTHON=sys.executable,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     proc = subprocess.run(
         ["bash", "launch/scaling_sweep.sh", "--out", str(out), "--steps", "2", "--nproc", "4",

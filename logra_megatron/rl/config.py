@@ -105,6 +105,42 @@ def parse_exit_signals(text) -> str:
 parse_exit_signals.__name__ = "signal list"
 
 
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+"""Megatron's ``--transformer-impl`` values; the trainer builds the ``local`` one (Megatron-Core's
+own modules, and torch's SDPA for core attention: see ``--attention-backend``)."""
+CKPT_FORMATS = ("torch_dist",)
+"""Megatron's ``--ckpt-format`` values the trainer reads and writes: ``torch_dist``
+(Megatron-Core's ``dist_checkpointing``, Megatron-LM's default), the only format it knows."""
+
+
+def parse_transformer_impl(text) -> str:
+    """``--transformer-impl``: ``local``; ``transformer_engine`` is refused with one line (the
+    model builder has no Transformer Engine layer spec)."""
+    value = str(text).strip()
+    if value == "transformer_engine":
+        raise BadValue("transformer_engine is not supported yet: the trainer builds Megatron-Core's local "
+                       "layers (pass --transformer-impl local, or leave it out)")
+    if value not in TRANSFORMER_IMPLS:
+        raise BadValue(f"must be one of {', '.join(TRANSFORMER_IMPLS)}, got {value[:24]!r}")
+    return value
+
+
+parse_transformer_impl.__name__ = "transformer implementation"
+
+
+def parse_ckpt_format(text) -> str:
+    """``--ckpt-format``: ``torch_dist`` only (Megatron's ``torch``, ``zarr``, ``fsdp_dtensor`` are
+    refused with one line)."""
+    value = str(text).strip()
+    if value not in CKPT_FORMATS:
+        raise BadValue(f"only torch_dist is supported (the format the trainer reads and writes, Megatron-LM's "
+                       f"default), got {value[:24]!r}")
+    return value
+
+
+parse_ckpt_format.__name__ = "checkpoint format"
+
+
 @dataclass(frozen=True)
 class ModelSourceConfig:
     """Which model and tokenizer: a preset (fresh weights), or the checkpoint given by ``--load``
@@ -117,6 +153,15 @@ class ModelSourceConfig:
     tokenizer_model: Optional[str] = option(None, help="a SentencePiece .model file or a tokenizer.json (or its folder)")
     bf16: bool = option(False, help="bf16 parameters (fp32 master weights for the dense optimizer; "
                                     "--logra-master decides those of sketched weights)")
+    fp16: bool = option(False, help="refused: fp16 needs loss scaling, which the trainer does not implement; "
+                                    "use --bf16")
+    transformer_impl: str = option("local", parse=parse_transformer_impl,
+                                   help="Megatron's layer implementation: local (Megatron-Core's own modules; "
+                                        "transformer_engine is not supported yet)")
+    untie_embeddings_and_output_weights: bool = option(
+        False, help="a separate output layer instead of the input embedding's transpose (default: the preset's "
+                    "choice, not Megatron's tied default; with --load the checkpoint's own, and a tied checkpoint "
+                    "is refused)")
     num_attention_heads: Optional[int] = option(None, help="attention heads instead of the preset's (head dim = "
                                                            "hidden / heads; vLLM's CPU attention needs >= 32, "
                                                            "e.g. 2 on the tiny preset)")
@@ -129,6 +174,9 @@ class ModelSourceConfig:
                                          "DotProductAttention), auto (sdpa)")
 
     def __post_init__(self):
+        if self.fp16:
+            raise UserError("--fp16 is not supported: fp16 training needs loss scaling, which the trainer does not "
+                            "implement; use --bf16")
         resolve_attention_backend(self.attention_backend)  # an unknown name is one UserError
         for name in ("num_attention_heads", "num_query_groups"):
             value = getattr(self, name)
@@ -152,6 +200,11 @@ class CheckpointConfig:
     save_interval: int = option(0, help="save every N RL iterations (0: only at the end, with --save)")
     ckpt_step: Optional[int] = option(None, help="with --load: this iteration instead of the latest complete one")
     keep_checkpoints: int = option(0, help="keep only the newest N iterations under --save (0: all)")
+    ckpt_format: str = option("torch_dist", parse=parse_ckpt_format,
+                              help="checkpoint format: torch_dist (Megatron-Core dist_checkpointing, the only one)")
+    use_checkpoint_args: bool = option(
+        False, help="accepted for Megatron command lines: with --load the model's architecture is always the "
+                    "checkpoint's (its model_config.json), whether or not this is given")
     load_optim: bool = option(True, flag="--no-load-optim", negative=True,
                               help="with --load: the weights (and trainer state) only, fresh optimizer and KL "
                                    "controller state (e.g. a dense run's checkpoint into a LoGRA run)")
@@ -182,6 +235,9 @@ class ParallelConfig:
         _at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
+DEFAULT_PROMPTS_PER_STEP = 16
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """How many prompts each step samples, and with which engine."""
@@ -191,8 +247,17 @@ class RolloutConfig:
                               "vllm (a vLLM engine on each replica's first rank, in-process in a one-process "
                               "job, sent the weights after every step; pip install -e .[rollout]; on CPU a "
                               "preset's heads narrower than 32 are widened to 32)")
-    prompts_per_step: int = option(16, help="prompts per optimizer step (the global batch is prompts x "
-                                            "--group-size sequences)")
+    prompts_per_step: Optional[int] = option(
+        None, help=f"prompts per optimizer step (the global batch is prompts x --group-size sequences; default: "
+                   f"--global-batch-size / --group-size, else {DEFAULT_PROMPTS_PER_STEP})")
+    global_batch_size: Optional[int] = option(
+        None, help="Megatron's global batch: rollout rows (sequences) per step, over all data-parallel replicas; "
+                   "alone it sets --prompts-per-step to itself / --group-size, with --prompts-per-step they must "
+                   "agree")
+    seq_length: Optional[int] = option(
+        None, help="Megatron's sequence length: the cap on prompt + response tokens of a rollout (the longest "
+                   "prompt + --max-new-tokens must fit it); at most the model's max sequence length, which is the "
+                   "cap without it")
     sync_bucket_mb: int = option(512, help="weight sync into a separate rollout engine (vllm): MiB of "
                                            "tensors converted and handed over at a time")
     policy_sync: str = option("full", choices=("full", "lowrank"),
@@ -209,7 +274,31 @@ class RolloutConfig:
             raise UserError(f"--policy-sync lowrank updates a rollout engine's own weights: it needs "
                             f"--rollout-engine vllm (the {self.engine} engine samples from the trainer's weights)")
         check_engine_available(self.engine)
-        _at_least(self, 1, "prompts_per_step", "sync_bucket_mb", "full_sync_interval")
+        _at_least(self, 1, "sync_bucket_mb", "full_sync_interval")
+        for name in ("prompts_per_step", "global_batch_size", "seq_length"):
+            if getattr(self, name) is not None:
+                _at_least(self, 1, name)
+
+    def with_group_size(self, group_size: int) -> "RolloutConfig":
+        """The prompts per step, from what the user gave: Megatron's ``--global-batch-size``
+        counts rollout rows, ``--prompts-per-step`` prompts of ``group_size`` rows each
+        (``global_batch_size`` stays as given: :attr:`TrainConfig.global_batch_size` is the
+        resolved one)."""
+        prompts, rows = self.prompts_per_step, self.global_batch_size
+        if rows is not None:
+            if rows % group_size:
+                raise UserError(f"--global-batch-size {rows} must be a multiple of --group-size {group_size} "
+                                f"(each prompt is sampled --group-size times)")
+            if prompts is not None and prompts * group_size != rows:
+                raise UserError(f"--global-batch-size {rows} and --prompts-per-step {prompts} disagree: the global "
+                                f"batch is --prompts-per-step x --group-size = {prompts} x {group_size} = "
+                                f"{prompts * group_size} rollout rows; give one of them")
+            prompts = rows // group_size
+        prompts = DEFAULT_PROMPTS_PER_STEP if prompts is None else prompts
+        return dataclasses.replace(self, prompts_per_step=prompts)
+
+
+DEFAULT_WARMUP_ITERS = 150
 
 
 @dataclass(frozen=True)
@@ -217,13 +306,17 @@ class WarmupConfig:
     """The supervised warm-up before RL: teaches the answer format so RL has reward to work with
     (answer tokens only, on training prompts)."""
 
-    iters: int = option(150, flag="--warmup-iters", help="supervised warm-up steps before RL (0: RL from the start)")
+    iters: Optional[int] = option(
+        None, flag="--warmup-iters",
+        help=f"supervised warm-up steps before RL (0: RL from the start; default: {DEFAULT_WARMUP_ITERS} on a "
+             f"preset's fresh weights, 0 with --load: the warm-up teaches the embedded toy model the answer "
+             f"format, a pretrained or converted checkpoint starts RL at once)")
     lr: float = option(3e-3, flag="--warmup-lr", help="learning rate of the warm-up")
     min_lr: Optional[float] = option(None, flag="--warmup-min-lr",
                                      help="cosine-decay the warm-up's lr to this (default: constant)")
 
     def __post_init__(self):
-        if self.iters < 0:
+        if self.iters is not None and self.iters < 0:
             raise UserError(f"--warmup-iters must be >= 0, got {self.iters}")
         if self.lr < 0:
             raise UserError(f"--warmup-lr must be >= 0, got {self.lr}")
@@ -251,12 +344,19 @@ class RunConfig:
     max_consecutive_skips: int = option(10, help="stop (saving with --save) after N steps in a row skipped for "
                                                  "a non-finite loss, gradient or KL forecast (0: never)")
     exit_signal_handler: bool = option(
-        True, flag="--no-exit-signal-handler", negative=True,
+        True, flag="--no-exit-signal-handler", negative=True, positive_flag="--exit-signal-handler",
         help="end at once on SIGTERM/SIGUSR1 (the signals' default action); by default, as Megatron's "
              "--exit-signal-handler, such a signal (SLURM, Kubernetes, torchrun before a kill) lets the RL step "
              "in flight finish, saves it (with --save) and exits 0")
     exit_signal: str = option("SIGTERM,SIGUSR1", parse=parse_exit_signals,
                               help="the signals that stop the run after the step in flight (comma-separated)")
+    wandb_project: Optional[str] = option(None, help="also log the metrics to a wandb run of this project, in "
+                                                     "wandb's offline mode (upload with `wandb sync`); needs "
+                                                     "pip install wandb")
+    wandb_exp_name: Optional[str] = option(None, help="with --wandb-project: the wandb run's name (default: "
+                                                      "the name of --output-dir)")
+    wandb_save_dir: Optional[str] = option(None, help="with --wandb-project: where wandb writes the run "
+                                                      "(default: <output-dir>/wandb)")
 
     def __post_init__(self):
         _at_least(self, 1, "micro_batch_size", "eval_prompts", "log_interval")
@@ -265,6 +365,30 @@ class RunConfig:
             raise UserError(f"--seed must be below 2**32 = {SEED_LIMIT}, got {self.seed}")
         _check_output_directory("--output-dir", self.output_dir or None)
         _check_output_directory("--tensorboard-dir", self.tensorboard_dir)
+        self._check_wandb()
+
+    def _check_wandb(self) -> None:
+        if self.wandb_project is None:
+            if self.wandb_exp_name is not None or self.wandb_save_dir is not None:
+                raise UserError("--wandb-exp-name and --wandb-save-dir need --wandb-project")
+            return
+        if not self.wandb_project:
+            raise UserError("--wandb-project needs a project name (got an empty one)")
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise UserError("--wandb-project needs wandb, which is not installed: pip install wandb (or "
+                            "pip install -e .[wandb]); TensorBoard and metrics.jsonl log without it")
+        _check_output_directory("--wandb-save-dir", self.wandb_save_dir)
+
+    def wandb_settings(self, output_dir: str) -> Optional[dict]:
+        """``wandb.init``'s project, name and dir for ``--wandb-*`` (None without
+        ``--wandb-project``), as Megatron-LM passes them."""
+        if self.wandb_project is None:
+            return None
+        return {"project": self.wandb_project,
+                "name": self.wandb_exp_name or os.path.basename(os.path.normpath(output_dir)),
+                "dir": self.wandb_save_dir or os.path.join(output_dir, "wandb")}
 
 
 @dataclass(frozen=True)
@@ -312,6 +436,14 @@ class TrainConfig:
             raise UserError("--logra-master bf16-sr rounds into bf16 weights: it needs --bf16")
         if self.logra.zero1 != self.optimizer.distributed:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, zero1=self.optimizer.distributed))
+        # --global-batch-size counts rows, --prompts-per-step prompts: one number decides both.
+        object.__setattr__(self, "rollout", self.rollout.with_group_size(self.advantages.group_size))
+        self.lr_schedule.check_iters(self.run.train_iters)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rollout rows per step over all replicas (Megatron's ``--global-batch-size``)."""
+        return self.rollout.prompts_per_step * self.advantages.group_size
 
     @property
     def dtype_name(self) -> str:
@@ -371,6 +503,7 @@ def widened_heads_line(config: TrainConfig) -> Optional[str]:
 def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfig:
     """The config with its model resolved once and checked against the layout (no process
     group needed). ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    config = _resume_after_restart(config)
     load_dir = _checkpoint_to_load(config.checkpoint)
     if load_dir is not None:
         if config.model.num_attention_heads is not None or config.model.num_query_groups is not None:
@@ -380,10 +513,16 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
     else:
         model = heads_for_the_engine(config, _preset_with_heads(config.model))
     tokenizer = build_run_tokenizer(config.model, load_dir)
-    if load_dir is None and config.model.tokenizer_model is None and config.model.preset == "tiny":
-        model = model.with_changes(vocab=tokenizer.vocab_size)  # the embedded default: no unused rows
+    if load_dir is None and config.model.preset == "tiny":
+        # Fresh weights of the toy preset: as many embedding rows as the tokenizer has ids (the
+        # embedded tokenizer's, or a --tokenizer-model's, as Megatron sizes a fresh model's vocabulary).
+        model = model.with_changes(vocab=tokenizer.vocab_size)
     if tokenizer.vocab_size > model.vocab:
         raise UserError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {model.vocab}")
+    model = _untied(config.model, model, load_dir)
+    if config.warmup.iters is None:  # the warm-up teaches a fresh preset the format; a checkpoint needs none
+        config = dataclasses.replace(config, warmup=dataclasses.replace(
+            config.warmup, iters=0 if load_dir is not None else DEFAULT_WARMUP_ITERS))
     if config.optimizer.kind == "logra":
         config.logra.check_model(model)
     world_size = _world_size() if world_size is None else world_size
@@ -404,6 +543,38 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
     _check_task_supply(config, source)
     _check_sequence_length(config, tokenizer, model, name, source, prompt_format)
     return dataclasses.replace(config, model_config=model, load_dir=load_dir, reward=reward)
+
+
+def _untied(source: ModelSourceConfig, model: ModelConfig, load_dir: Optional[str]) -> ModelConfig:
+    """``--untie-embeddings-and-output-weights``: a preset gets a separate output layer; a
+    checkpoint keeps its own (a tied one cannot be untied by a flag: it has no output weights)."""
+    if not source.untie_embeddings_and_output_weights or not model.tie_embeddings:
+        return model
+    if load_dir is not None:
+        raise UserError(f"--untie-embeddings-and-output-weights: the checkpoint {load_dir} ties its embeddings "
+                        f"(it holds no separate output layer); leave the flag out")
+    return model.with_changes(tie_embeddings=False)
+
+
+def lr_phases_line(config: TrainConfig) -> str:
+    """Which lr governs which phase, as the start-up summary says it (a resolved ``config``)."""
+    warmup, schedule = config.warmup, config.lr_schedule
+    if warmup.iters:
+        shape = "constant" if warmup.min_lr is None else f"cosine to --warmup-min-lr {warmup.min_lr:g}"
+        first = f"supervised warm-up {warmup.iters} steps at --warmup-lr {warmup.lr:g} ({shape})"
+    else:
+        why = "a checkpoint is loaded" if config.load_dir else "--warmup-iters 0"
+        first = f"no supervised warm-up ({why})"
+    decay_iters = schedule.decay_iters(config.run.train_iters)
+    style = schedule.lr_decay_style
+    if style == "WSD":
+        style = (f"WSD: constant, then {schedule.lr_wsd_decay_style} over the last {schedule.lr_wsd_decay_iters} "
+                 f"of {decay_iters} iters")
+    elif style != "constant":
+        style = f"{style} over {decay_iters} iters"
+    warm = f", linear warm-up {schedule.lr_warmup_iters} iters" if schedule.lr_warmup_iters else ""
+    return (f"lr: {first}; RL {config.run.train_iters} iters at --lr {config.optimizer.lr:g} ({style} to --min-lr "
+            f"{schedule.min_lr:g}{warm}), weight decay {config.optimizer.weight_decay:g}")
 
 
 def _world_size() -> int:
@@ -494,11 +665,46 @@ def _check_sequence_length(config: TrainConfig, tokenizer, model: ModelConfig, n
     probe = source.length_probe(config.run.eval_prompts, config.rollout.prompts_per_step)
     longest = max(len(tokenizer.encode(prompt_format.prompt(record))) for record in probe)
     new = config.sampling.max_new_tokens
-    if longest + new > model.max_seq:
+    cap = config.rollout.seq_length
+    if cap is not None and cap > model.max_seq:
+        raise UserError(f"--seq-length {cap} exceeds the max sequence length {model.max_seq} of {name}")
+    if longest + new > (model.max_seq if cap is None else cap):
         hint = " (or --max-operand)" if config.task.name == "arithmetic" else ""
+        if cap is not None:
+            raise UserError(f"--max-new-tokens {new} + the longest prompt ({longest} tokens) exceeds --seq-length "
+                            f"{cap}; lower --max-new-tokens{hint} or raise --seq-length")
         raise UserError(
             f"--max-new-tokens {new} + the longest prompt ({longest} tokens) exceeds the max sequence length "
             f"{model.max_seq} of {name}; lower --max-new-tokens{hint}")
+
+
+def _restart_count() -> int:
+    """Which attempt of a torchrun job this is (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _resume_after_restart(config: TrainConfig) -> TrainConfig:
+    """A job torchrun restarted (``--max-restarts``) continues where it saved: with ``--save`` and
+    no ``--load``, the restarted attempt loads the newest complete checkpoint under ``--save``
+    (as ``--load`` = ``--save`` would), or starts over when the attempts before saved nothing.
+    Without this, the restart would begin again at step 0 and overwrite what they saved."""
+    attempt, checkpoint = _restart_count(), config.checkpoint
+    if attempt < 1 or checkpoint.load is not None:
+        return config
+    loud = os.environ.get("RANK", "0") == "0"
+    if not checkpoint.save:
+        if loud:
+            print(f"torchrun restart {attempt}: no --save, so nothing to resume from; the run starts over", flush=True)
+        return config
+    if loud:
+        chosen = select_checkpoint(checkpoint.save, warn=lambda message: None) if os.path.isdir(checkpoint.save) else None
+        where = f"resuming from {chosen[1]}" if chosen else "nothing saved there yet, so the run starts over"
+        print(f"torchrun restart {attempt}: no --load given, so the newest complete checkpoint under --save "
+              f"{checkpoint.save}: {where}", flush=True)
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(checkpoint, load=checkpoint.save))
 
 
 def _checkpoint_to_load(checkpoint: CheckpointConfig) -> Optional[str]:

@@ -33,10 +33,13 @@ class MetricsLogger:
     """Writes nothing on other ranks; every method is safe to call everywhere."""
 
     def __init__(self, output_dir: str, tensorboard_dir: str, total: int, progress: bool = True,
-                 log_interval: int = 1, first_step: int = 0, warmup_done: bool = False):
+                 log_interval: int = 1, first_step: int = 0, warmup_done: bool = False,
+                 wandb_settings: dict = None):
         """``first_step`` / ``warmup_done``: where a resumed run continues. ``metrics.jsonl`` is
         rewritten to the rows before it (the warm-up's only if it is done), so rows a killed run
-        wrote after its last checkpoint do not repeat."""
+        wrote after its last checkpoint do not repeat. ``wandb_settings``: ``wandb.init``'s
+        project, name and dir (``--wandb-project`` ...): the same scalars go to a wandb run in
+        offline mode (``wandb sync DIR`` uploads it), as TensorBoard's do."""
         self.active = _is_logging_rank()
         self.total = total
         self.log_interval = max(1, log_interval)
@@ -44,6 +47,7 @@ class MetricsLogger:
         self.bar = None
         self.writer = None
         self.jsonl = None
+        self.wandb = None
         if not self.active:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -58,6 +62,12 @@ class MetricsLogger:
             self.writer = SummaryWriter(tensorboard_dir)
         except ImportError:  # tensorboard is a declared dependency; degrade to jsonl only
             self.writer = None
+        if wandb_settings:
+            import wandb  # an optional extra: --wandb-project checked it imports before the run started
+
+            os.makedirs(wandb_settings["dir"], exist_ok=True)
+            # Offline: a training node often has no internet, and a login prompt would hang the job.
+            self.wandb = wandb.init(mode="offline", resume="allow", **wandb_settings)
         if progress:
             self.bar = tqdm(total=total, initial=first_step, desc="GRPO", unit="step", file=sys.stderr,
                             dynamic_ncols=True)
@@ -73,6 +83,8 @@ class MetricsLogger:
                 self.writer.add_scalar("warmup/loss", loss, step)
                 if grad_norm is not None:
                     self.writer.add_scalar("warmup/grad_norm", grad_norm, step)
+            if self.wandb:
+                self.wandb.log({"warmup/loss": loss, **({} if grad_norm is None else {"warmup/grad_norm": grad_norm})})
             if (step + 1) % max(1, total // 10) == 0 or step + 1 == total:
                 self.info(f"warm-up {step + 1}/{total} (supervised) loss {loss:.4f}")
 
@@ -84,6 +96,9 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"rl/{key}", value, step)
+        if self.wandb:
+            self.wandb.log({f"rl/{key}": value for key, value in metrics.items()
+                            if isinstance(value, (int, float)) and math.isfinite(value)})
         shown = {"reward": metrics.get("reward_mean"), "acc": metrics.get("accuracy"),
                  "kl_pred": metrics.get("kl_pred"), "scale": metrics.get("step_scale"),
                  "tok/s": metrics.get("tokens_per_s")}
@@ -112,6 +127,9 @@ class MetricsLogger:
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(f"memory/state_bytes_{name}", value, 0)
             self.writer.close()
+        if self.wandb:
+            self.wandb.summary.update({key: value for key, value in summary.items() if isinstance(value, (int, float))})
+            self.wandb.finish()
         self.jsonl.close()
         path = os.path.join(self.output_dir, "summary.json")
         with open(path, "w") as handle:

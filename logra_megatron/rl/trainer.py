@@ -30,7 +30,7 @@ from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_c
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state, optimizer_compatibility,
                                              save_training_state)
-from logra_megatron.rl.config import TrainConfig, resolve, widened_heads_line
+from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, widened_heads_line
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.evaluation import EvalResult, evaluate_records
 from logra_megatron.rl.memory_plan import plan_line, plan_summary
@@ -120,7 +120,9 @@ def run_phases(config: TrainConfig, exit_handler: ExitSignalHandler) -> dict:
     """The phases of :func:`train`, one after another; at each RL step boundary every rank asks
     ``exit_handler`` whether a signal came (the same answer everywhere)."""
     run = build(config)
+    config = run.config  # resolved: the warm-up's length, the prompts per step
     summary = run.state.summary
+    run.logger.info(lr_phases_line(config))
     summary["memory_plan_bytes"] = plan_summary(run.config, torch.distributed.get_world_size(), rollout_length(run))
     run.logger.info(plan_line(summary["memory_plan_bytes"]))
     widened = widened_heads_line(run.config)
@@ -200,7 +202,7 @@ def build(config: TrainConfig) -> Run:
     logger = MetricsLogger(output_dir, config.run.tensorboard_dir or os.path.join(output_dir, "tensorboard"),
                            total=config.run.train_iters, progress=config.run.progress,
                            log_interval=config.run.log_interval, first_step=state.step,
-                           warmup_done=state.warmup_done)
+                           warmup_done=state.warmup_done, wandb_settings=config.run.wandb_settings(output_dir))
     return Run(config=config, tokenizer=tokenizer, tasks=tasks, model=model, ddp=ddp, optimizer=optimizer,
                engine=build_rollout_engine(config.rollout.engine, ddp, model_config=config.model_config,
                                            vocab_size=tokenizer.vocab_size,
@@ -260,12 +262,14 @@ def supervised_warmup(run: Run) -> None:
 
 def rl_scheduler(run: Run):
     """The RL lr: warm-up over ``--lr-warmup-iters``, then a decay from ``--lr`` to ``--min-lr``
-    over ``--train-iters``; positioned at the resumed step."""
+    over ``--lr-decay-iters`` (default ``--train-iters``); positioned at the resumed step."""
     config = run.config
     scheduler = build_scheduler(
         run.optimizer, max_lr=config.optimizer.lr, min_lr=config.lr_schedule.min_lr,
-        decay_steps=config.run.train_iters, decay_style=config.lr_schedule.lr_decay_style,
-        warmup_steps=config.lr_schedule.lr_warmup_iters, weight_decay=config.optimizer.weight_decay)
+        decay_steps=config.lr_schedule.decay_iters(config.run.train_iters),
+        decay_style=config.lr_schedule.lr_decay_style, warmup_steps=config.lr_schedule.lr_warmup_iters,
+        weight_decay=config.optimizer.weight_decay, wsd_decay_steps=config.lr_schedule.lr_wsd_decay_iters,
+        wsd_decay_style=config.lr_schedule.lr_wsd_decay_style)
     scheduler.step(run.state.step - run.state.skipped_steps)
     return scheduler
 

@@ -10,7 +10,10 @@ from logra_megatron.schema import option
 
 OPTIMIZERS = ("adam", "logra")
 """Names of the optimizer registry (training/optimizer.py) that ``--optimizer`` accepts."""
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""Megatron's ``--lr-decay-style`` values, all computed by its ``OptimizerParamScheduler``."""
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""Megatron's ``--lr-wsd-decay-style`` values: the shape of WSD's final decay."""
 KL_MODES = ("off", "probe", "linear")
 KL_TARGET_SCHEDULES = ("constant", "linear", "cosine", "exponential")
 """Shapes of the KL budget from ``--kl-target`` to ``--kl-target-final`` (training/kl_control.py:
@@ -27,7 +30,12 @@ class OptimizerSettings:
                        help="adam: Megatron's dense Adam (the baseline); logra: sketch-space Adam for "
                             "the decoder's linear layers, Megatron's Adam for the rest")
     lr: float = option(3e-4, help="peak learning rate of the RL phase")
-    weight_decay: float = option(0.0, help="decoupled weight decay")
+    # 0.0, not Megatron's 0.01: RL post-trains a pretrained policy, and decay would pull its weights
+    # towards zero on every step whatever the reward says (and spend KL budget doing it).
+    weight_decay: float = option(0.0, help="decoupled (AdamW) weight decay: each step multiplies a weight by "
+                                           "1 - lr x this, on the weight matrices (Megatron's param groups: "
+                                           "biases and norms are not decayed) and LoGRA's sketched weights; "
+                                           "0.0 here, not Megatron's 0.01")
     adam_beta1: float = option(0.9, help="Adam's first-moment decay")
     adam_beta2: float = option(0.999, help="Adam's second-moment decay")
     adam_eps: float = option(1e-8, help="Adam's epsilon")
@@ -55,11 +63,21 @@ class OptimizerSettings:
 @dataclass(frozen=True)
 class LRScheduleConfig:
     """The RL phase's learning rate: linear warm-up from 0, then decay from ``--lr`` to
-    ``--min-lr`` over ``--train-iters`` (Megatron's ``OptimizerParamScheduler``)."""
+    ``--min-lr`` over ``--lr-decay-iters`` (default ``--train-iters``), Megatron's flags with
+    Megatron's meanings, computed by Megatron's ``OptimizerParamScheduler``. Iterations are RL
+    optimizer steps (a skipped step does not advance the schedule)."""
 
-    min_lr: float = option(0.0, help="the lr decays from --lr to this over --train-iters")
+    min_lr: float = option(0.0, help="the lr decays from --lr to this over --lr-decay-iters")
     lr_warmup_iters: int = option(0, help="linear lr warm-up steps at the start of RL")
-    lr_decay_style: str = option("cosine", choices=LR_DECAY_STYLES, help="shape of the decay")
+    lr_decay_style: str = option("cosine", choices=LR_DECAY_STYLES,
+                                 help="shape of the decay (WSD: constant at --lr, then --lr-wsd-decay-style over "
+                                      "the last --lr-wsd-decay-iters of --lr-decay-iters)")
+    lr_decay_iters: Optional[int] = option(None, help="iterations over which the lr decays to --min-lr (default: "
+                                                      "--train-iters); after them it stays at --min-lr")
+    lr_wsd_decay_style: str = option("exponential", choices=LR_WSD_DECAY_STYLES,
+                                     help="with --lr-decay-style WSD: shape of the final decay")
+    lr_wsd_decay_iters: Optional[int] = option(None, help="with --lr-decay-style WSD: iterations of the final "
+                                                          "decay, the last ones of --lr-decay-iters")
 
     def __post_init__(self):
         if self.min_lr < 0:
@@ -69,6 +87,32 @@ class LRScheduleConfig:
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise UserError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
                             f"got {self.lr_decay_style!r}")
+        if self.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
+            raise UserError(f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}, "
+                            f"got {self.lr_wsd_decay_style!r}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise UserError(f"--lr-decay-iters must be >= 1, got {self.lr_decay_iters}")
+        if self.lr_decay_style == "WSD":
+            if self.lr_wsd_decay_iters is None:
+                raise UserError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the final decay's iterations)")
+            if self.lr_wsd_decay_iters < 1:
+                raise UserError(f"--lr-wsd-decay-iters must be >= 1, got {self.lr_wsd_decay_iters}")
+        elif self.lr_wsd_decay_iters is not None:
+            raise UserError(f"--lr-wsd-decay-iters needs --lr-decay-style WSD, got --lr-decay-style "
+                            f"{self.lr_decay_style}")
+
+    def decay_iters(self, train_iters: int) -> int:
+        """``--lr-decay-iters``, Megatron's default ``--train-iters`` when not given."""
+        return train_iters if self.lr_decay_iters is None else self.lr_decay_iters
+
+    def check_iters(self, train_iters: int) -> None:
+        """The decay window against the run: WSD's final decay fits in what is left of
+        ``--lr-decay-iters`` after the warm-up (the scheduler would divide by zero or go
+        negative otherwise)."""
+        decay = self.decay_iters(train_iters)
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters > max(decay - self.lr_warmup_iters, 1):
+            raise UserError(f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} exceeds the {decay} lr decay iters "
+                            f"(--lr-decay-iters, default --train-iters) less --lr-warmup-iters {self.lr_warmup_iters}")
 
 
 @dataclass(frozen=True)
