@@ -54,12 +54,27 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt-format", type=parse_ckpt_format, default="torch_dist",
                         help="format of --load: torch_dist (Megatron-Core dist_checkpointing), the only one")
     parser.add_argument("--fp16", action="store_true", help="refused: no loss scaling (the smoke job runs fp32)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron's sequence parallelism (TP > 1): norms and residuals split along the sequence")
+    parser.add_argument("--overlap-grad-reduce", action="store_true",
+                        help="Megatron's: the DP reduction in buckets during the backward (dense gradients and "
+                             "LoGRA's sketches alike)")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="refused here (one model chunk per rank): examples/megatron_loop.py runs the "
+                             "interleaved pipeline")
+    parser.add_argument("--context-parallel-size", type=int, default=1, help="refused above 1 (not supported)")
 
     schema.add_arguments(parser, "recompute", RecomputeConfig, "activation recomputation")
     args = parser.parse_args(argv)
     args.recompute = RecomputeConfig(**schema.values_for(args, "recompute", RecomputeConfig))
     if args.fp16:
         parser.error("--fp16 is not supported: fp16 training needs loss scaling, which is not implemented")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        parser.error("--num-layers-per-virtual-pipeline-stage: the smoke job builds one model chunk per rank; "
+                     "examples/megatron_loop.py runs Megatron's interleaved pipeline with LoGRA")
+    if args.context_parallel_size != 1:
+        parser.error("--context-parallel-size > 1 is not supported: the sketching linears and the SDPA core "
+                     "attention have no context-parallel path (ring attention, the sequence split over CP)")
     for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -82,6 +97,9 @@ def validate(args, world_size: int):
             f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch "
             f"size x data-parallel size = {per_step}"
         )
+    if args.sequence_parallel and (layout.tensor_parallel < 2 or args.seq_length % layout.tensor_parallel):
+        raise UserError(f"--sequence-parallel needs --tensor-model-parallel-size > 1 and a --seq-length "
+                        f"({args.seq_length}) it divides")
     if args.seq_length + 1 > model_config.max_seq:
         raise UserError(f"--seq-length {args.seq_length} exceeds the model's max_seq {model_config.max_seq}")
     logra_config = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval)
@@ -103,7 +121,8 @@ def run(args) -> list:
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
     bare_model, model, optimizer = build_trainable(
         model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed,
-        recompute=args.recompute, attention_backend=args.attention_backend)
+        recompute=args.recompute, attention_backend=args.attention_backend,
+        sequence_parallel=args.sequence_parallel, overlap_grad_reduce=args.overlap_grad_reduce)
     if args.load:
         load_checkpoint(args.load, bare_model)
 

@@ -128,3 +128,32 @@ def test_bad_flags_are_one_line(args, message):
     proc = direct(["--train-iters", "4", *args])
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# --- the smoke job (logra_megatron.smoke) takes the same Megatron flags -------------------------------
+
+def smoke(args, nproc):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           "-m", "logra_megatron.smoke", "--optimizer", "logra", "--train-iters", "3",
+                           "--global-batch-size", "8", *args], capture_output=True, text=True, timeout=600, env=ENV,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+def test_the_smoke_job_runs_sequence_parallel_and_overlapped_on_tp1s_losses():
+    reference = smoke([], 1)
+    assert len(reference) == 3
+    assert smoke(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2) == pytest.approx(reference, rel=1e-5)
+    assert smoke(["--overlap-grad-reduce"], 2) == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "examples/megatron_loop.py runs Megatron's interleaved"),
+    (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+])
+def test_the_smoke_job_refuses_what_it_cannot_run_in_one_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "logra_megatron.smoke", *args], capture_output=True, text=True,
+                          timeout=300, env=ENV, cwd=REPO)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

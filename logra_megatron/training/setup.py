@@ -24,18 +24,22 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     logra_config: Optional[LogRAConfig] = None, dtype=torch.float32,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                     seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
-                    attention_backend: str = "auto"):
+                    attention_backend: str = "auto", sequence_parallel: bool = False,
+                    overlap_grad_reduce: bool = False):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a Megatron-Core ``ChainedOptimizer``,
     :class:`~logra_megatron.optim.controlled.ControlledOptimizer`). The fresh weights are a
     function of ``seed`` alone, the same at every TP/PP layout. ``recompute``: activation
     recomputation in the backward (default: none). ``attention_backend``: the layers' core
-    attention (``--attention-backend``: auto, sdpa or unfused)."""
+    attention (``--attention-backend``: auto, sdpa or unfused). ``sequence_parallel`` and
+    ``overlap_grad_reduce`` are Megatron's (the latter covers LoGRA's sketches too:
+    ``logra/sketch_overlap.py``)."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
     recompute = recompute or RecomputeConfig()
     recompute.check_layers(model_config.layers // pp)
-    config = transformer_config(model_config, tp, pp, dtype=dtype, **recompute.transformer_kwargs())
+    config = transformer_config(model_config, tp, pp, dtype=dtype, sequence_parallel=sequence_parallel,
+                                **recompute.transformer_kwargs())
     if settings.kind == "logra":
         spec = logra_layer_spec(attention_backend=attention_backend)
     else:
@@ -45,7 +49,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:
         sketch_embeddings(model, model_config.vocab)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=settings.distributed)
     ddp_model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -55,6 +59,10 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
         clip_grad=settings.clip_grad, bf16=dtype == torch.bfloat16,
         use_distributed_optimizer=settings.distributed)
     optimizer = build_optimizer(settings.kind, optimizer_config, [ddp_model], logra_config)
+    if overlap_grad_reduce:
+        # As Megatron-LM's train() does; read after the optimizer is built, whose sketch reduction
+        # extends the chunk's no_sync.
+        config.no_sync_func = ddp_model.no_sync
     return model, ddp_model, optimizer
 
 
