@@ -325,3 +325,19 @@ def test_example_configs_parse(example, extra):
     assert config.run.train_iters >= 1 and config.optimizer.kind == "logra"
     if example == "tiny_arithmetic.yaml":
         assert config.logra.rank == 0.5  # a YAML float stays a fraction of the dimension
+
+
+def test_overlapped_gradient_reduction_changes_no_number(tmp_path):
+    # --overlap-grad-reduce at DP=2: the dense buckets and LoGRA's sketch buckets reduce during the
+    # backward (logra/sketch_overlap.py); every element is still reduced once by the same
+    # all-reduce, so each logged figure equals the blocking run's.
+    runs = {}
+    for name, extra in (("blocking", []), ("overlapped", ["--overlap-grad-reduce"])):
+        proc = train([*SMALL, "--train-iters", "2", "--micro-batch-size", "2",
+                      "--num-minibatches", "2", *extra, "--output-dir", str(tmp_path / name)], nproc=2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = metrics(tmp_path / name)
+    assert_not_degenerate(runs["blocking"])
+    for ours, theirs in zip(runs["overlapped"], runs["blocking"]):
+        for key in ("loss", "grad_norm", "kl_pred", "step_scale", "reward_mean"):
+            assert ours[key] == theirs[key], key

@@ -230,6 +230,9 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = option(1, help="ranks that split every linear layer")
     pipeline_model_parallel_size: int = option(1, help="pipeline stages (the layers are divided evenly)")
+    overlap_grad_reduce: bool = option(
+        False, help="Megatron's: the data-parallel gradient reduction in buckets during the backward; with LoGRA "
+                    "the sketches' too (each bucket's all-reduce starts when its layers' backward is done)")
 
     def __post_init__(self):
         _at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")

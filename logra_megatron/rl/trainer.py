@@ -190,7 +190,8 @@ def build(config: TrainConfig) -> Run:
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
                                             dtype=_dtype(config), seed=config.run.seed,
                                             recompute=config.recompute,
-                                            attention_backend=config.model.attention_backend)
+                                            attention_backend=config.model.attention_backend,
+                                            overlap_grad_reduce=config.parallel.overlap_grad_reduce)
     state = TrainerState()
     if config.load_dir:
         state = TrainerState.from_checkpoint(load_training_state(
