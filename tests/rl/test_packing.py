@@ -154,3 +154,22 @@ def test_packed_loss_and_dense_gradients_match_padded(rollouts, mode):
     assert abs(padded["loss"]) > 0 and grads_a.abs().max() > 0
     assert abs(packed["loss"] - padded["loss"]) < TOL * max(1.0, abs(padded["loss"]))
     assert (grads_b - grads_a).abs().max() < TOL * max(1.0, float(grads_a.abs().max()))
+
+
+def test_packed_logra_sketches_match_padded(rollouts):
+    runs = []
+    for pack in (False, True):
+        metrics, _, ddp, optimizer = _loss_and_grads(rollouts, pack, 24, "token-mean", kind="logra",
+                                                     logra=LogRAConfig(rank=8))
+        sketches = {entry.name: entry.sketch.sketch.detach().clone() for entry in optimizer.weights}
+        dense = [p.main_grad.detach().flatten().clone() for p in ddp.parameters()
+                 if getattr(p, "main_grad", None) is not None]
+        runs.append((metrics["loss"], sketches, torch.cat(dense) if dense else torch.zeros(0)))
+    (loss_a, sketches_a, dense_a), (loss_b, sketches_b, dense_b) = runs
+    assert sketches_a and abs(loss_b - loss_a) < TOL * max(1.0, abs(loss_a))
+    for name, sketch in sketches_a.items():
+        scale = max(1.0, float(sketch.abs().max()))
+        assert float(sketch.abs().max()) > 0, name
+        assert (sketches_b[name] - sketch).abs().max() < TOL * scale, name
+    if dense_a.numel():
+        assert (dense_b - dense_a).abs().max() < TOL * max(1.0, float(dense_a.abs().max()))
