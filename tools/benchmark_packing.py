@@ -33,25 +33,29 @@ import torch  # noqa: E402
 
 
 def ragged_batch(rows, prompt_min, prompt_max, cap, sigma, vocab, seed):
-    """Left-padded prompts, right-padded responses (the engines' layout), and advantages."""
+    """Left-padded prompts, right-padded responses (the engines' layout), and advantages, on the
+    host (both layouts read the same rows; the GRPO passes move each microbatch to the model)."""
     from logra_megatron.rollout.types import Rollouts
 
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(prompt_min, prompt_max + 1, (rows,), generator=generator)
-    normal = torch.randn(rows, generator=generator, dtype=torch.float64)
+    host = torch.device("cpu")
+
+    generator = torch.Generator(device=host).manual_seed(seed)
+    prompts = torch.randint(prompt_min, prompt_max + 1, (rows,), generator=generator, device=host)
+    normal = torch.randn(rows, generator=generator, dtype=torch.float64, device=host)
     responses = torch.exp(math.log(cap / 4) + sigma * normal).round().clamp(1, cap).long()
     width = int(prompts.max())
-    columns = torch.arange(width + int(responses.max()))
+    columns = torch.arange(width + int(responses.max()), device=host)
     attention = (columns >= width - prompts[:, None]) & (columns < width + responses[:, None])
     response = (columns >= width) & attention
-    tokens = torch.randint(1, vocab, (rows, columns.numel()), generator=generator)
+    tokens = torch.randint(1, vocab, (rows, columns.numel()), generator=generator, device=host)
     tokens = torch.where(attention, tokens, torch.zeros_like(tokens))
     positions = (columns - (width - prompts[:, None])).clamp(min=0)
     rollouts = Rollouts(tokens=tokens, attention_mask=attention, response_mask=response, position_ids=positions,
                         prompt_lengths=prompts, response_lengths=responses,
-                        finished=torch.ones(rows, dtype=torch.bool), prompt_index=torch.arange(rows),
+                        finished=torch.ones(rows, dtype=torch.bool, device=host),
+                        prompt_index=torch.arange(rows, device=host),
                         prompt_width=width, steps=int(responses.max()))
-    advantages = torch.randn(rows, generator=generator)
+    advantages = torch.randn(rows, generator=generator, device=host)
     return rollouts, advantages
 
 
@@ -77,7 +81,6 @@ def run(args):
     rollouts, advantages = ragged_batch(args.rows, args.prompt_min, args.prompt_max, args.response_cap,
                                         args.sigma, model_config.vocab, args.seed)
     device = next(ddp.parameters()).device
-    rollouts = rollouts.select(torch.arange(args.rows))  # a copy; moved per microbatch
     real = int(rollouts.attention_mask.sum())
     cells = rollouts.tokens.numel()
     budget = args.max_tokens_per_microbatch or default_token_budget(args.micro_batch_size, rollouts.tokens.shape[1])
