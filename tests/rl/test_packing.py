@@ -173,3 +173,30 @@ def test_packed_logra_sketches_match_padded(rollouts):
         assert (sketches_b[name] - sketch).abs().max() < TOL * scale, name
     if dense_a.numel():
         assert (dense_b - dense_a).abs().max() < TOL * max(1.0, float(dense_a.abs().max()))
+
+
+# --- TP=2 and PP=2 (one 2-rank launch, tests/workers/packing_checks.py) ---------------------------
+
+@pytest.fixture(scope="module")
+def parallel_results(tmp_path_factory):
+    from dist_harness import run_workers
+
+    return run_workers("packing_checks.py", 2, tmp_path_factory.mktemp("packing"))
+
+
+@pytest.mark.parametrize("kind", ["adam", "logra"])
+@pytest.mark.parametrize("layout", ["tp2pp1", "tp1pp2"])
+def test_packed_matches_padded_at_tp2_and_pp2(parallel_results, layout, kind):
+    from dist_harness import result
+
+    for rank in (0, 1):
+        check = result(parallel_results, f"{layout}/{kind}", rank)
+        assert abs(check["loss"]) > 0 and check["logprob_scale"] > 0, check
+        assert check["loss_diff"] < TOL * max(1.0, abs(check["loss"])), (rank, check)
+        assert check["logprob_diff"] < TOL * max(1.0, check["logprob_scale"]), (rank, check)
+        assert check["dense_diff"] < TOL * max(1.0, check["dense_scale"]), (rank, check)
+        assert check["sketch_diff"] < TOL * max(1.0, check["sketch_scale"]), (rank, check)
+        if kind == "logra":
+            assert check["sketch_numel"] > 0 and check["sketch_scale"] > 0, (rank, check)
+        else:
+            assert check["dense_numel"] > 0 and check["dense_scale"] > 0, (rank, check)
