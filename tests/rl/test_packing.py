@@ -200,3 +200,16 @@ def test_packed_matches_padded_at_tp2_and_pp2(parallel_results, layout, kind):
             assert check["sketch_numel"] > 0 and check["sketch_scale"] > 0, (rank, check)
         else:
             assert check["dense_numel"] > 0 and check["dense_scale"] > 0, (rank, check)
+
+
+# --- the trainer's flags -----------------------------------------------------------------------
+
+def test_packing_is_on_by_default_and_off_with_the_flag_or_the_unfused_backend():
+    from logra_megatron.config import parse_train_args
+    from logra_megatron.rl.trainer import packing_options
+
+    assert packing_options(parse_train_args([], world_size=1)) == {"pack": True, "max_tokens": 0}
+    assert packing_options(parse_train_args(["--no-pack-sequences"], world_size=1))["pack"] is False
+    assert packing_options(parse_train_args(["--attention-backend", "unfused"], world_size=1))["pack"] is False
+    assert packing_options(parse_train_args(["--max-tokens-per-microbatch", "512"], world_size=1)) == \
+        {"pack": True, "max_tokens": 512}
