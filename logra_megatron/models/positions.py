@@ -1,9 +1,18 @@
-"""Masks and rotary positions for left-padded batches: every row computes what its sequence
-alone would (rollouts and the GRPO passes share them)."""
+"""Masks and rotary positions for left-padded batches, and the packed layout of the same rows:
+every row computes what its sequence alone would (rollouts and the GRPO passes share them).
+
+Packed (:func:`pack_rows`): a batch's real tokens, row after row, as one ``[1, t]`` sequence with
+Megatron's :class:`PackedSeqParams` (``thd``, ``cu_seqlens`` at the row boundaries). Megatron's
+rotary path restarts the positions at each ``cu_seqlens`` offset (``_apply_rotary_pos_emb_thd``)
+and the core attention (:class:`~logra_megatron.models.sdpa_attention.SDPAttention`) never
+attends across one, so no row sees another and no padding is computed."""
 
 import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from logra_megatron.models.build import unwrap_model
 
@@ -69,3 +78,70 @@ def rope_positions(model, position_ids: torch.Tensor):
         yield
     finally:
         gpt.rotary_pos_emb = original
+
+
+@dataclass
+class PackedRows:
+    """Rows of a left/right-padded batch packed end to end (see the module docstring)."""
+
+    tokens: torch.Tensor
+    """[1, t] int64: the rows' real tokens, row after row (then ``pad`` filler, its own segment)."""
+    position_ids: torch.Tensor
+    """[1, t] int64: each token's position within its own row (0 at its first real token)."""
+    params: PackedSeqParams
+    """Megatron's ``thd`` parameters: ``cu_seqlens`` at the row boundaries (and the filler's)."""
+    rows: torch.Tensor
+    """[n] int64: the batch row of each of the first ``n`` (real) packed tokens."""
+    slots: torch.Tensor
+    """[n] int64: the column of each real packed token in its padded row."""
+    real_tokens: int
+    """n: real tokens; the ``t - n`` after them are filler."""
+    predicts: torch.Tensor
+    """[n] bool: the real packed tokens followed by one of their own row (all but each row's last)."""
+
+    def next_tokens(self) -> torch.Tensor:
+        """[1, t]: the token each position predicts (the next packed token; meaningless at a row's
+        last token and in the filler, which :meth:`unpack` drops)."""
+        return torch.roll(self.tokens, -1, dims=1)
+
+    def unpack(self, values: torch.Tensor, shape, fill: float = 0.0) -> torch.Tensor:
+        """``values`` ([1, t] or [t], per packed position t' = a prediction of token t'+1) in the
+        padded ``[rows, columns - 1]`` layout ``shape`` (column c scores token c + 1), ``fill``
+        where no real token predicts a real one. Differentiable in ``values``."""
+        values = values.reshape(-1)[: self.real_tokens]
+        keep = self.predicts  # a row's last token predicts nothing
+        out = torch.full(tuple(shape), fill, dtype=values.dtype, device=values.device)
+        return out.index_put((self.rows[keep], self.slots[keep]), values[keep])
+
+
+def pack_rows(tokens: torch.Tensor, attention_mask: torch.Tensor, pad_to: Optional[int] = None,
+              pad_id: int = 0) -> PackedRows:
+    """The real tokens of ``tokens`` ([B, S]; ``attention_mask`` [B, S] bool, True at real tokens,
+    contiguous in each row) packed into one sequence. ``pad_to`` (at least the real token count)
+    appends filler as one more segment (equal shapes for the pipeline's send/receive). Rows with
+    no real token take no segment."""
+    mask = attention_mask.bool()
+    rows, slots = mask.nonzero(as_tuple=True)  # row-major: each row's real tokens in order
+    lengths = mask.sum(dim=1)
+    first = torch.where(lengths > 0, mask.int().argmax(dim=1), torch.zeros_like(lengths))
+    real = int(rows.numel())
+    predicts = torch.zeros(real, dtype=torch.bool, device=tokens.device)
+    predicts[:-1] = rows[1:] == rows[:-1]
+    packed = tokens[rows, slots]
+    positions = slots - first[rows]
+    seqlens = lengths[lengths > 0]
+    total = real if pad_to is None else int(pad_to)
+    if total < real:
+        raise ValueError(f"pad_to={total} is shorter than the {real} real tokens")
+    if total > real:
+        filler = total - real
+        packed = torch.cat([packed, torch.full((filler,), pad_id, dtype=packed.dtype, device=packed.device)])
+        positions = torch.cat([positions, torch.arange(filler, dtype=positions.dtype, device=positions.device)])
+        seqlens = torch.cat([seqlens, seqlens.new_tensor([filler])])
+    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=tokens.device)
+    cu_seqlens[1:] = torch.cumsum(seqlens, 0)
+    longest = int(seqlens.max()) if seqlens.numel() else 0
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedRows(tokens=packed[None], position_ids=positions[None], params=params, rows=rows,
+                      slots=slots, real_tokens=real, predicts=predicts)

@@ -28,6 +28,11 @@ head_dim]``) and computes the same function:
 - **Decoding with the KV cache** (``StaticInferenceContext``): Megatron passes ``no_mask`` for the
   one-query decode steps; without a mask a single query attends to every cached key, as the
   unfused path does, and with the engine's pad-key mask it is applied as above.
+- **Packed sequences** (Megatron's ``PackedSeqParams``, ``thd``: query/key/value ``[t, heads,
+  d]``, the sequences end to end at the offsets ``cu_seqlens``, no mask): causal SDPA once per
+  sequence, so attention never crosses a boundary and no padding is computed (the GRPO passes'
+  packed microbatches, ``models/positions.py`` ``pack_rows``; Megatron's rotary path restarts the
+  positions at each offset).
 - **Grouped-query attention**: key and value are repeated to the query heads per group before
   the call (as the unfused path does; CUDA's memory-efficient kernel, which masked batches need,
   has no grouped form).
@@ -154,10 +159,10 @@ class SDPAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention takes no packed sequences (Megatron serves them with Transformer Engine)")
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention_bias")
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, attention_mask, packed_seq_params)
         queries, batch = query.shape[:2]
         keys = key.shape[0]
         repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -192,3 +197,47 @@ class SDPAttention(MegatronModule):
                                                      is_causal=causal, scale=self.softmax_scale)
         # [b, heads, sq, d] -> [sq, b, heads x d]
         return context.permute(2, 0, 1, 3).reshape(queries, batch, self.hidden_size_per_partition)
+
+    def _packed_forward(self, query, key, value, attention_mask, params: PackedSeqParams) -> torch.Tensor:
+        """Packed sequences (Megatron's ``thd`` layout: query/key/value ``[t, heads, d]``, the
+        sequences one after another at the offsets ``cu_seqlens``): causal attention within each
+        sequence, never across a boundary; SDPA once per sequence. Output ``[t, heads x d]``
+        (Megatron reshapes it to ``[t, 1, heads x d]``)."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention takes packed sequences in the thd layout, not {params.qkv_format!r}")
+        if attention_mask is not None:
+            raise ValueError("packed sequences take no attention_mask (cu_seqlens bounds the attention)")
+        if self.attn_mask_type != AttnMaskType.causal and self.attn_mask_type != AttnMaskType.padding_causal:
+            raise ValueError(f"SDPAttention packs causal self-attention only, not {self.attn_mask_type}")
+        cu_q = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv_padded is None else params.cu_seqlens_kv_padded
+        if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+            raise ValueError("SDPAttention packs self-attention only (cu_seqlens_q == cu_seqlens_kv)")
+        if query.dim() != 3:
+            raise ValueError(f"packed query must be [t, heads, d], got {tuple(query.shape)}")
+        total = query.shape[0]
+        repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if repeats > 1:
+            key = key.repeat_interleave(repeats, dim=1)
+            value = value.repeat_interleave(repeats, dim=1)
+        bounds = cu_q.tolist()  # one host sync per layer call
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"cu_seqlens must run from 0 to the packed length {total}, got {bounds[0]}..{bounds[-1]}")
+        dropout = self.dropout_p if self.training else 0.0
+        # [t, heads, d] -> [heads, t, d]: views
+        q, k, v = (tensor.transpose(0, 1) for tensor in (query, key, value))
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end <= start:
+                continue
+            segment = slice(start, end)
+            call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                q[:, segment].unsqueeze(0), k[:, segment].unsqueeze(0), v[:, segment].unsqueeze(0),
+                dropout_p=dropout, is_causal=end - start > 1, scale=self.softmax_scale)
+            if dropout > 0.0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    pieces.append(call()[0])
+            else:
+                pieces.append(call()[0])
+        context = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]  # [heads, t, d]
+        return context.transpose(0, 1).reshape(total, self.hidden_size_per_partition)

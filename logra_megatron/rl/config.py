@@ -336,6 +336,14 @@ class RunConfig:
                                         "(each loads it with --load DIR --no-load-optim)")
     seed: int = option(1234, help="seeds the weights, projections, prompts and sampling")
     micro_batch_size: int = option(16, help="sequences per forward/backward")
+    # --- packed sequences (issue 33) ---
+    pack_sequences: bool = option(True, flag="--no-pack-sequences", negative=True,
+                                  help="pad every row of the GRPO log-prob and policy-loss passes to the batch's "
+                                       "longest row ([B, 1, S, S] mask) instead of packing rows end to end "
+                                       "(cu_seqlens, no padding; needs --attention-backend sdpa or auto)")
+    max_tokens_per_microbatch: int = option(0, help="packed sequences: real tokens per microbatch, rows "
+                                                    "bin-packed up to it (a longer row alone); 0: "
+                                                    "--micro-batch-size x the batch's padded length")
     eval_prompts: int = option(150, help="held-out prompts (never trained on) for the greedy accuracy")
     eval_samples: int = option(0, help="also sample this many completions per held-out prompt (at --temperature) "
                                        "and report pass@k with the unbiased estimator (0: greedy pass@1 only)")
@@ -363,7 +371,8 @@ class RunConfig:
 
     def __post_init__(self):
         _at_least(self, 1, "micro_batch_size", "eval_prompts", "log_interval")
-        _at_least(self, 0, "train_iters", "exit_interval", "max_consecutive_skips", "seed", "eval_samples")
+        _at_least(self, 0, "train_iters", "exit_interval", "max_consecutive_skips", "seed", "eval_samples",
+                  "max_tokens_per_microbatch")
         if self.seed >= SEED_LIMIT:
             raise UserError(f"--seed must be below 2**32 = {SEED_LIMIT}, got {self.seed}")
         _check_output_directory("--output-dir", self.output_dir or None)

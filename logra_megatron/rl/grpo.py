@@ -12,6 +12,12 @@ per-row rotary positions (:func:`~logra_megatron.models.positions.rope_positions
 divided by the count (response tokens, or sequences for the ``seq-mean-*`` aggregations) of the
 optimizer step's whole batch over every data-parallel replica, so it is the global mean and does
 not depend on how the batch is split into microbatches or over ranks.
+
+Packed (``pack=True``, the trainer's default; ``--no-pack-sequences`` turns it off): the rows are
+bin-packed into microbatches of at most ``max_tokens`` real tokens (:mod:`~logra_megatron.rl.packing`),
+each microbatch one ``[1, t]`` packed sequence (:func:`~logra_megatron.models.positions.pack_rows`),
+so no padding is computed. The per-token log-probs come back in the padded ``[b, S-1]`` layout
+of the microbatch's rows, and the loss is the same function of them.
 """
 
 from typing import Optional, Tuple
@@ -21,12 +27,14 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from logra_megatron import parallel
-from logra_megatron.models.build import model_device
+from logra_megatron.models.build import model_device, unwrap_model
+from logra_megatron.models.positions import pack_rows
 from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from logra_megatron.rl.losses import PolicyLossConfig, aggregation_count, policy_loss
 from logra_megatron.rollout.types import Rollouts
 from logra_megatron.training.kl_control import ProbeSet
-from logra_megatron.training.lm import padded_forward
+from logra_megatron.rl.packing import default_token_budget, token_bins
+from logra_megatron.training.lm import packed_forward, padded_forward
 
 
 # Metrics that policy_loss divides by the batch's count (sum them over microbatches); ratio_max
@@ -50,45 +58,110 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict, device
         }
 
 
-def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None):
-    batches = list(_microbatches(rollouts, micro_batch_size, extra or {}, model_device(model)))
+def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict, device: torch.device):
+    """The batch's rows bin-packed into microbatches of at most ``max_tokens`` real tokens, each
+    with its rows' padded tensors (for the loss), their indices (``rows``) and the packed
+    sequence (``packed``). With a pipeline every microbatch is filled to the same length (the
+    stages exchange activations of one shape); with sequence parallelism to a multiple of TP."""
+    lengths = rollouts.attention_mask.sum(dim=1).tolist()
+    bins = token_bins(lengths, max_tokens)
+    config = unwrap_model(model).config
+    multiple = parallel.tp_size() if config.sequence_parallel else 1
+    totals = [sum(lengths[row] for row in rows) for rows in bins]
+    pad_to = [None] * len(bins)
+    if parallel.pp_size() > 1 or multiple > 1:
+        common = max(totals) if parallel.pp_size() > 1 else None
+        pad_to = [-(-(common or total) // multiple) * multiple for total in totals]
+    for rows, length in zip(bins, pad_to):
+        index = torch.tensor(rows, dtype=torch.long, device=rollouts.tokens.device)
+        batch = {
+            "rows": index.to(device),
+            "tokens": rollouts.tokens[index].to(device),
+            "attention_mask": rollouts.attention_mask[index].to(device),
+            "response_mask": rollouts.response_mask[index].to(device),
+            **{key: value[index.to(value.device)].to(device) if value is not None else None
+               for key, value in extra.items()},
+        }
+        batch["packed"] = pack_rows(batch["tokens"], batch["attention_mask"], pad_to=length)
+        yield batch
+
+
+def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None,
+         pack=False, max_tokens=0):
+    device = model_device(model)
+    if pack:
+        budget = max_tokens or default_token_budget(micro_batch_size, rollouts.tokens.shape[1])
+        batches = list(_packed_microbatches(model, rollouts, budget, extra or {}, device))
+        seq_length, rows_per_call = batches[0]["packed"].tokens.shape[1], 1
+    else:
+        batches = list(_microbatches(rollouts, micro_batch_size, extra or {}, device))
+        seq_length, rows_per_call = rollouts.tokens.shape[1], micro_batch_size
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        logits = padded_forward(model, batch["tokens"], batch["attention_mask"], batch["position_ids"], vocab_size)
+        if pack:
+            logits = packed_forward(model, batch["packed"], vocab_size)
+        else:
+            logits = padded_forward(model, batch["tokens"], batch["attention_mask"], batch["position_ids"],
+                                    vocab_size)
         return logits, loss_func_for(batch, len(batches))
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=rollouts.tokens.shape[1],
-        micro_batch_size=micro_batch_size, forward_only=forward_only)
+        num_microbatches=len(batches), seq_length=seq_length,
+        micro_batch_size=rows_per_call, forward_only=forward_only)
 
 
 def _targets(batch):
     return batch["tokens"][:, 1:], batch["response_mask"][:, 1:].float()
 
 
+def _token_logprobs(logits, batch, temperature):
+    """``(log-prob, entropy)`` ``[b, S-1]`` of the microbatch's rows (column t scores token t+1)
+    from its logits, padded ``[b, S, V/tp]`` or packed ``[1, t, V/tp]`` (0 where no real token
+    predicts a real one)."""
+    packed = batch.get("packed")
+    if packed is None:
+        targets, _ = _targets(batch)
+        return vocab_parallel_logprobs_and_entropy(logits[:, :-1], targets, temperature=temperature,
+                                                   group=parallel.tp_group())
+    logprob, entropy = vocab_parallel_logprobs_and_entropy(logits, packed.next_tokens(), temperature=temperature,
+                                                           group=parallel.tp_group())
+    rows, columns = batch["tokens"].shape
+    shape = (rows, columns - 1)
+    return packed.unpack(logprob, shape), packed.unpack(entropy, shape)
+
+
 @torch.no_grad()
 def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperature: float = 1.0,
-                      vocab_size: Optional[int] = None):
+                      vocab_size: Optional[int] = None, pack: bool = False, max_tokens: int = 0):
     """``(logprobs, entropy)`` of shape ``[B, S-1]`` (position t scores token t+1), identical on
-    every rank of the data-parallel replica (computed on the last stage, broadcast over PP)."""
+    every rank of the data-parallel replica (computed on the last stage, broadcast over PP).
+    ``pack``: packed microbatches of at most ``max_tokens`` real tokens (0: ``micro_batch_size``
+    rows' worth); then 0 at the positions that do not score a real token."""
     def loss_func_for(batch, _):
         def loss_func(logits):
-            targets, _mask = _targets(batch)
-            logprob, entropy = vocab_parallel_logprobs_and_entropy(
-                logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
-            return logits.float().sum() * 0, {"logprob": logprob.float(), "entropy": entropy.float()}
+            logprob, entropy = _token_logprobs(logits, batch, temperature)
+            reported = {"logprob": logprob.float(), "entropy": entropy.float()}
+            if "rows" in batch:
+                reported["rows"] = batch["rows"]
+            return logits.float().sum() * 0, reported
         return loss_func
 
-    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True, vocab_size=vocab_size)
+    outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True, vocab_size=vocab_size,
+                   pack=pack, max_tokens=max_tokens)
     shape = (rollouts.tokens.shape[0], rollouts.tokens.shape[1] - 1)
     device = model_device(model)
     logprobs = torch.zeros(shape, device=device)
     entropy = torch.zeros(shape, device=device)
     if parallel.is_last_stage():
-        logprobs = torch.cat([item["logprob"] for item in outputs])
-        entropy = torch.cat([item["entropy"] for item in outputs])
+        if pack:  # rows come back in their microbatches' order
+            rows = torch.cat([item["rows"] for item in outputs])
+            logprobs[rows] = torch.cat([item["logprob"] for item in outputs])
+            entropy[rows] = torch.cat([item["entropy"] for item in outputs])
+        else:
+            logprobs = torch.cat([item["logprob"] for item in outputs])
+            entropy = torch.cat([item["entropy"] for item in outputs])
     both = parallel.broadcast_from_last_stage(torch.stack([logprobs, entropy]))
     return both[0], both[1]
 
@@ -97,7 +170,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                          old_logprobs: torch.Tensor, micro_batch_size: int,
                          loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
                          temperature: float = 1.0, vocab_size: Optional[int] = None,
-                         engine_logprobs: Optional[torch.Tensor] = None) -> dict:
+                         engine_logprobs: Optional[torch.Tensor] = None, pack: bool = False,
+                         max_tokens: int = 0) -> dict:
     """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
     batch (agreed on every rank): loss, pg_loss, clip_fraction, dual_clip_fraction, ratio_mean,
     ratio_max, entropy, kl (if on), tis_weight_mean (with ``--tis-cap`` and ``engine_logprobs``,
@@ -115,9 +189,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
 
     def loss_func_for(batch, num_microbatches):
         def loss_func(logits):
-            targets, mask = _targets(batch)
-            logprob, entropy = vocab_parallel_logprobs_and_entropy(
-                logits[:, :-1], targets, temperature=temperature, group=parallel.tp_group())
+            _, mask = _targets(batch)
+            logprob, entropy = _token_logprobs(logits, batch, temperature)
             loss, metrics = policy_loss(
                 logprob, batch["old_logprobs"], batch["advantages"], mask, loss_config,
                 ref_logprobs=batch["ref_logprobs"], entropy=entropy, normalizer=normalizer,
@@ -135,7 +208,7 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
         return loss_func
 
     outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=False, extra=extra,
-                   vocab_size=vocab_size)
+                   vocab_size=vocab_size, pack=pack, max_tokens=max_tokens)
     summary = {}
     if parallel.is_last_stage():
         keys = [key for key in outputs[0] if key != "weight"]

@@ -27,6 +27,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.faults import kill_point, nan_point
 from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
+from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state, optimizer_compatibility,
                                              save_training_state)
@@ -303,7 +304,8 @@ def rl_step(run: Run, step: int) -> dict:
     # Old (and reference) log-probs once per batch: every optimizer step below reuses them.
     micro = min(config.run.micro_batch_size, batch.num_sequences)
     temperature = config.sampling.temperature
-    old_logprobs, _ = sequence_logprobs(ddp, batch, micro, temperature, run.vocab)
+    packing = packing_options(config)
+    old_logprobs, _ = sequence_logprobs(ddp, batch, micro, temperature, run.vocab, **packing)
     # The engine's own log-probs of the sampled tokens (engines that return them), laid out like
     # old_logprobs (position t scores token t + 1): --tis-cap's weights and the mismatch metrics.
     engine_logprobs = None if batch.logprobs is None else batch.logprobs[:, 1:]
@@ -312,7 +314,7 @@ def rl_step(run: Run, step: int) -> dict:
         run.controller.observe_mismatch(mismatch["logp_mismatch_kl"])
     ref_logprobs = None
     if run.reference is not None:
-        ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab)
+        ref_logprobs, _ = sequence_logprobs(run.reference, batch, micro, temperature, run.vocab, **packing)
     steps = []
     for _epoch in range(config.loss.ppo_epochs):
         for part in split_minibatches(torch.arange(batch.num_sequences, device=rollouts.tokens.device),
@@ -355,6 +357,13 @@ def rl_step(run: Run, step: int) -> dict:
     }
 
 
+def packing_options(config) -> dict:
+    """The GRPO passes' packing (``pack``, ``max_tokens``): on unless ``--no-pack-sequences`` or the
+    unfused attention backend (Megatron's DotProductAttention takes no packed sequences)."""
+    pack = config.run.pack_sequences and resolve_attention_backend(config.model.attention_backend) == "sdpa"
+    return {"pack": pack, "max_tokens": config.run.max_tokens_per_microbatch}
+
+
 def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, engine_logprobs=None) -> dict:
     """One KL-controlled optimizer step on a minibatch: the policy loss's backward, then the
     controller's propose -> forecast -> scale -> commit (nothing committed when the loss is not
@@ -365,7 +374,8 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
     run.optimizer.zero_grad()
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=config.sampling.temperature,
-                                        vocab_size=run.vocab, engine_logprobs=engine_logprobs)
+                                        vocab_size=run.vocab, engine_logprobs=engine_logprobs,
+                                        **packing_options(config))
     loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
     if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
         # The KL probe: completions spread over the minibatch's prompts, and rows it does not

@@ -6,7 +6,7 @@
 - :func:`forward_logits`: vocab-parallel logits, forward only (the KL controller's probes, and
   the GRPO probe rows of left-padded rollouts).
 - :func:`padded_forward`: one model call on a left-padded batch (rollouts), shared with the
-  GRPO passes.
+  GRPO passes; :func:`packed_forward` the same rows packed without padding.
 """
 
 import torch
@@ -15,7 +15,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
 from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for
-from logra_megatron.models.positions import padded_causal_mask, rope_positions
+from logra_megatron.models.positions import PackedRows, padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
 
 
@@ -92,6 +92,15 @@ def padded_forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, po
     tokens, attention_mask, position_ids = tokens.to(device), attention_mask.to(device), position_ids.to(device)
     with rope_positions(model, position_ids):
         output = model(tokens, position_ids, padded_causal_mask(attention_mask))
+    return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
+
+
+def packed_forward(model, packed: PackedRows, vocab_size: int = None) -> torch.Tensor:
+    """This stage's output for packed rows (:func:`~logra_megatron.models.positions.pack_rows`):
+    ``[1, t, V/tp]`` vocab-parallel logits on the last stage (the vocabulary padding masked when
+    ``vocab_size`` is given), each row computing what it alone would (rotary positions restart
+    and attention stops at each ``cu_seqlens`` boundary)."""
+    output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.params)
     return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
 
 

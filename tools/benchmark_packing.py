@@ -1,0 +1,187 @@
+"""Padded vs packed GRPO training step: tokens per second and peak memory (issue 33).
+
+One GRPO step on the same ragged batch, twice: the old log-probs (forward), the policy loss's
+forward and backward, and the optimizer's step (LoGRA by default), first with every row padded to
+the batch's longest row (``[B, 1, S, S]`` mask, ``--micro-batch-size`` rows per microbatch), then
+packed (rows end to end with ``cu_seqlens``, bin-packed up to ``--max-tokens-per-microbatch``,
+default ``--micro-batch-size x S``: the padded microbatch's token count). Same model weights, same
+rows. Tokens per second counts real tokens (prompt + response) over the step's wall time (the
+median of ``--repeats`` timed steps after a warm-up step); peak bytes is the most tensor
+memory live at once during one more step (CUDA's counters, or the CPU profiler's allocation
+events), above what was live before it.
+
+Lengths: no real run's rollout lengths are recorded in this repository, so the responses are
+log-normal with the median at a quarter of ``--response-cap`` (sigma ``--sigma``), clipped to
+``[1, cap]``; prompts uniform in ``[--prompt-min, --prompt-max]``. The table says so and gives
+the batch's padding fraction.
+
+    python tools/benchmark_packing.py                       # tiny preset
+    python tools/benchmark_packing.py --preset smollm2-135m --json
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def ragged_batch(rows, prompt_min, prompt_max, cap, sigma, vocab, seed):
+    """Left-padded prompts, right-padded responses (the engines' layout), and advantages, on the
+    host (both layouts read the same rows; the GRPO passes move each microbatch to the model)."""
+    from logra_megatron.rollout.types import Rollouts
+
+    host = torch.device("cpu")
+
+    generator = torch.Generator(device=host).manual_seed(seed)
+    prompts = torch.randint(prompt_min, prompt_max + 1, (rows,), generator=generator, device=host)
+    normal = torch.randn(rows, generator=generator, dtype=torch.float64, device=host)
+    responses = torch.exp(math.log(cap / 4) + sigma * normal).round().clamp(1, cap).long()
+    width = int(prompts.max())
+    columns = torch.arange(width + int(responses.max()), device=host)
+    attention = (columns >= width - prompts[:, None]) & (columns < width + responses[:, None])
+    response = (columns >= width) & attention
+    tokens = torch.randint(1, vocab, (rows, columns.numel()), generator=generator, device=host)
+    tokens = torch.where(attention, tokens, torch.zeros_like(tokens))
+    positions = (columns - (width - prompts[:, None])).clamp(min=0)
+    rollouts = Rollouts(tokens=tokens, attention_mask=attention, response_mask=response, position_ids=positions,
+                        prompt_lengths=prompts, response_lengths=responses,
+                        finished=torch.ones(rows, dtype=torch.bool, device=host),
+                        prompt_index=torch.arange(rows, device=host),
+                        prompt_width=width, steps=int(responses.max()))
+    advantages = torch.randn(rows, generator=generator, device=host)
+    return rollouts, advantages
+
+
+def run(args):
+    from logra_megatron import parallel
+    from logra_megatron.logra import LogRAConfig
+    from logra_megatron.models.config import get_preset
+    from logra_megatron.platform.memory import AllocationTracker
+    from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
+    from logra_megatron.rl.losses import PolicyLossConfig
+    from logra_megatron.rl.packing import default_token_budget, token_bins
+    from logra_megatron.training.config import OptimizerSettings
+    from logra_megatron.training.setup import build_trainable
+
+    model_config = get_preset(args.preset)
+    if args.prompt_max + args.response_cap > model_config.max_seq:
+        raise SystemExit(f"prompt + response ({args.prompt_max + args.response_cap}) exceeds the preset's "
+                         f"max_seq {model_config.max_seq}")
+    parallel.initialize(1, 1, seed=args.seed)
+    logra = LogRAConfig(rank=args.logra_rank) if args.optimizer == "logra" else None
+    _, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=args.optimizer, lr=1e-5), logra,
+                                        attention_backend="sdpa")
+    rollouts, advantages = ragged_batch(args.rows, args.prompt_min, args.prompt_max, args.response_cap,
+                                        args.sigma, model_config.vocab, args.seed)
+    device = next(ddp.parameters()).device
+    real = int(rollouts.attention_mask.sum())
+    cells = rollouts.tokens.numel()
+    budget = args.max_tokens_per_microbatch or default_token_budget(args.micro_batch_size, rollouts.tokens.shape[1])
+    loss_config = PolicyLossConfig()
+    initial = {name: p.detach().clone() for name, p in ddp.named_parameters()}
+
+    def step(pack):
+        old, _ = sequence_logprobs(ddp, rollouts, args.micro_batch_size, pack=pack, max_tokens=budget)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        metrics = policy_loss_backward(ddp, rollouts, advantages, old, args.micro_batch_size, loss_config,
+                                       pack=pack, max_tokens=budget)
+        optimizer.step()
+        return metrics["loss"]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def measure(pack):
+        with torch.no_grad():  # every side starts from the same weights
+            for name, p in ddp.named_parameters():
+                p.copy_(initial[name])
+        loss = step(pack)  # warm-up (allocator, kernels, lazily built state)
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            start = time.perf_counter()
+            step(pack)
+            sync()
+            times.append(time.perf_counter() - start)
+        with AllocationTracker(device) as track:
+            step(pack)
+        seconds = statistics.median(times)
+        microbatches = (len(token_bins(rollouts.attention_mask.sum(1).tolist(), budget)) if pack
+                        else -(-args.rows // args.micro_batch_size))
+        return {"step_s": seconds, "tokens_per_s": real / seconds, "peak_bytes": int(track.peak_bytes),
+                "microbatches": microbatches, "first_loss": loss,
+                "computed_tokens": real if pack else cells}
+
+    padded = measure(False)
+    packed = measure(True)
+    return {
+        "preset": args.preset, "device": str(device), "optimizer": args.optimizer,
+        "rows": args.rows, "real_tokens": real, "padded_cells": cells,
+        "padding_fraction": 1 - real / cells, "micro_batch_size": args.micro_batch_size,
+        "max_tokens_per_microbatch": budget,
+        "lengths": {"source": "log-normal responses (no recorded run lengths): median response_cap/4, "
+                              f"sigma {args.sigma}, clipped to [1, {args.response_cap}]; prompts uniform "
+                              f"[{args.prompt_min}, {args.prompt_max}]",
+                    "response_cap": args.response_cap,
+                    "response_median": float(rollouts.response_lengths.float().median()),
+                    "response_max": int(rollouts.response_lengths.max())},
+        "padded": padded, "packed": packed,
+        "ratio": {"tokens_per_s": packed["tokens_per_s"] / padded["tokens_per_s"],
+                  "peak_bytes": packed["peak_bytes"] / max(1, padded["peak_bytes"])},
+    }
+
+
+def table(result):
+    lines = [f"{result['preset']} on {result['device']}, {result['optimizer']}: {result['rows']} rows, "
+             f"{result['real_tokens']} real tokens in {result['padded_cells']} padded cells "
+             f"(padding {100 * result['padding_fraction']:.1f}%)",
+             f"lengths: {result['lengths']['source']}",
+             f"padded: {result['micro_batch_size']} rows per microbatch; packed: "
+             f"{result['max_tokens_per_microbatch']} tokens per microbatch", "",
+             f"| layout | microbatches | step s | tokens/s | peak MiB |", "| --- | --- | --- | --- | --- |"]
+    for name in ("padded", "packed"):
+        row = result[name]
+        lines.append(f"| {name} | {row['microbatches']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | "
+                     f"{row['peak_bytes'] / 2**20:.1f} |")
+    ratio = result["ratio"]
+    lines.append(f"| packed / padded | | | {ratio['tokens_per_s']:.2f}x | {ratio['peak_bytes']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--rows", type=int, default=32, help="rows of the batch (prompts x group size)")
+    parser.add_argument("--response-cap", type=int, default=None,
+                        help="longest response (default: 192 for tiny, 1024 otherwise)")
+    parser.add_argument("--prompt-min", type=int, default=16)
+    parser.add_argument("--prompt-max", type=int, default=48)
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the response lengths")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+                        help="packed budget (0: --micro-batch-size x the padded length)")
+    parser.add_argument("--optimizer", choices=("logra", "adam"), default="logra")
+    parser.add_argument("--logra-rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    if args.response_cap is None:
+        args.response_cap = 192 if args.preset == "tiny" else 1024
+    os.environ.setdefault("LOGRA_CPU_WHEN_GPUS_SHORT", "1")
+    result = run(args)
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
