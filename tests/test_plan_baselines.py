@@ -154,3 +154,8 @@ def test_cli_all_rows_on_8_gpus_of_80_gb():
     assert best["adam-cpu-offload"]["host_bytes"] > 50 * GIB and best["logra"]["host_bytes"] == 0
     assert best["adam-kl"]["gpu_bytes"] - best["adam"]["gpu_bytes"] > 12 * GIB
     assert best["logra"]["gpu_bytes"] < best["adam-precision-aware"]["gpu_bytes"] < best["adam"]["gpu_bytes"]
+
+
+def test_cpu_offload_with_bf16_main_grads_halves_the_gpu_gradient_buffer():
+    state, host = _state("adam-cpu-offload", main_grads_dtype="bf16")
+    assert state["grad_bytes"] == 2 * N_PADDED and host["host_grad_bytes"] == 4 * N

@@ -63,6 +63,9 @@ def add_arguments(parser) -> None:
     optimizer.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                            help="adam-cpu-offload: the fraction of the optimizer's parameters whose state "
                                 "and masters live on the host (default 1.0)")
+    optimizer.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
+                           help="adam-cpu-offload: the GPU gradient buffer's dtype (Megatron's main_grads_dtype "
+                                "under --use-precision-aware-optimizer; default fp32)")
     optimizer.add_argument("--use-distributed-optimizer", action="store_true",
                            help="Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 state sharding")
     optimizer.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 gradients and masters)")
@@ -178,7 +181,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention_backend=args.attention_backend, reference_model=args.reference_model,
         rollout=rollout_for(args, dp), exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
-        optimizer_offload_fraction=args.optimizer_offload_fraction)
+        optimizer_offload_fraction=args.optimizer_offload_fraction, main_grads_dtype=args.main_grads_dtype)
     return settings_for_row(base, optimizer)
 
 

@@ -66,6 +66,10 @@ class PlanSettings:
     """``adam-precision-aware``: dtype of the second moment."""
     optimizer_offload_fraction: float = 1.0
     """``adam-cpu-offload``: the fraction of the optimizer's parameters whose state is on the host."""
+    main_grads_dtype: str = "fp32"
+    """``adam-cpu-offload``: Megatron's ``main_grads_dtype`` (with ``use_precision_aware_optimizer``,
+    which slime's recipe sets beside the offload): the GPU gradient buffer in fp32 or bf16
+    (``adam-precision-aware`` always plans bf16)."""
     micro_batch_size: int = 1
     global_batch_size: int = 1
     """Sequences per optimizer step over all data-parallel replicas."""

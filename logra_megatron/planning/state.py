@@ -130,6 +130,8 @@ def check_settings(settings: PlanSettings) -> None:
         if getattr(settings, name) not in MOMENT_DTYPES:
             raise UserError(f"--{name.replace('_', '-')} must be one of {', '.join(MOMENT_DTYPES)}, "
                             f"got {getattr(settings, name)!r}")
+    if settings.main_grads_dtype not in ("fp32", "bf16"):
+        raise UserError(f"--main-grads-dtype must be fp32 or bf16, got {settings.main_grads_dtype!r}")
     if not 0.0 <= settings.optimizer_offload_fraction <= 1.0:
         raise UserError(f"--optimizer-offload-fraction must be in [0, 1], got {settings.optimizer_offload_fraction}")
     ParallelLayout(settings.tensor_parallel, settings.pipeline_parallel, settings.world_size).check_model(
@@ -392,7 +394,8 @@ def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
     - ``adam-cpu-offload`` (``optimizer_cpu_offload``, ``optimizer_offload_fraction``;
       ``cpu_offloading/hybrid_optimizer.py`` with ``param_update_in_fp32=True`` as
       ``optimizer/__init__.py`` builds it, and the precision-aware path that leaves the masters to
-      it, as slime's recipe runs it): the fp32 gradient buffer on the GPU; each offloaded shard an
+      it, as slime's recipe runs it): the gradient buffer on the GPU (fp32, or bf16 with
+      ``main_grads_dtype`` bf16); each offloaded shard an
       fp32 host copy (``.cpu().pin_memory()`` then ``.float()``), a pinned fp32 host gradient
       (``cpu_copy_map_grad``), CPUAdam's two fp32 moments and step tensor; the rest fp32 masters
       (bf16 weights) and moments on the GPU.
@@ -414,6 +417,7 @@ def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
         gpu["moment_bytes"] = main_numel * (MOMENT_DTYPES[settings.exp_avg_dtype]
                                             + MOMENT_DTYPES[settings.exp_avg_sq_dtype])
     elif kind == "adam-cpu-offload":
+        gpu["grad_bytes"] = grad_buffer_numel * (2 if settings.main_grads_dtype == "bf16" else FP32)
         count = offloaded_shards(settings, mains)
         on_host, on_gpu = mains[:count], mains[count:]
         host_numel, gpu_numel = sum(n for _, n in on_host), sum(n for _, n in on_gpu)
