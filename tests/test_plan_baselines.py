@@ -159,3 +159,19 @@ def test_cli_all_rows_on_8_gpus_of_80_gb():
 def test_cpu_offload_with_bf16_main_grads_halves_the_gpu_gradient_buffer():
     state, host = _state("adam-cpu-offload", main_grads_dtype="bf16")
     assert state["grad_bytes"] == 2 * N_PADDED and host["host_grad_bytes"] == 4 * N
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "tools/plan_memory.py", *args], capture_output=True, text=True,
+                          timeout=300, env=ENV, cwd=REPO)
+
+
+def test_cli_table_prints_host_memory_and_validate_refuses_unbuilt_rows():
+    proc = _cli("--preset", "tiny", "--bf16", "--optimizer", "adam-cpu-offload", "--global-batch-size", "4",
+                "--gpu-memory-gib", "80")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dense Adam, CPU offload: TP 1 x PP 1 x DP 1" in proc.stdout and "distributed optimizer on" in proc.stdout
+    assert "host_moment_bytes (host)" in proc.stdout and "host memory of the job" in proc.stdout
+    proc = _cli("--preset", "tiny", "--bf16", "--optimizer", "adam-8bit", "--validate")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "planned only" in lines[0], proc.stderr
