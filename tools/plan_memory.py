@@ -157,7 +157,8 @@ def print_plan(optimizer: str, plan, entry: dict, report: dict) -> None:
     if any(stage.host_bytes for _, stage in groups):
         for key in HOST_COMPONENTS:
             if any(stage.host.get(key) for _, stage in groups):
-                print(f"{key + ' (host)':<42}" + "".join(f"{gib(stage.host.get(key, 0)):>14.2f}" for _, stage in groups))
+                print(f"{key + ' (host)':<42}"
+                      + "".join(f"{gib(stage.host.get(key, 0)):>14.2f}" for _, stage in groups))
         print(f"{'host memory per GPU':<42}" + "".join(f"{gib(stage.host_bytes):>14.2f}" for _, stage in groups))
         print(f"host memory of the job: {gib(entry['host_total_bytes']):.2f} GiB over {layout['gpus']} GPUs")
     if "fits" in entry:

@@ -204,8 +204,9 @@ def plan_table(args) -> list:
         for gib in (80, 141):
             recompute, plans = recompute_for(args, preset, gib)
             dense = plan(args, preset, RECOMPUTE_CHOICES[1], gib, "--optimizer", "all")
-            dense["adam-cpu-offload-bf16-grads"] = plan(args, preset, RECOMPUTE_CHOICES[1], gib, "--optimizer",
-                                                        "adam-cpu-offload", "--main-grads-dtype", "bf16")["adam-cpu-offload"]
+            offload_bf16 = plan(args, preset, RECOMPUTE_CHOICES[1], gib, "--optimizer", "adam-cpu-offload",
+                                "--main-grads-dtype", "bf16")
+            dense["adam-cpu-offload-bf16-grads"] = offload_bf16["adam-cpu-offload"]
             row = {"preset": preset, "gpu_memory_gib": gib, "recompute": "full" if recompute else "none",
                    "logra_bytes": plans["logra"]["total_per_gpu_bytes"], "logra_fits": plans["logra"]["fits"],
                    "dense_adam_bytes": dense["adam"]["total_per_gpu_bytes"], "dense_adam_fits": dense["adam"]["fits"],

@@ -153,9 +153,9 @@ def layouts(gpus: int, gpus_per_node: int) -> List[Tuple[int, int, int]]:
 def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
                    optimizers: Sequence[str] = ("adam", "logra"), gpus_per_node: int = 8,
                    reserve_bytes: int = 0, rollout_sequences: Optional[int] = None) -> Dict[str, LayoutChoice]:
-    """Per optimizer row (settings.py ``ROWS``, applied by ``settings_for_row``), the TP x PP x DP layout of ``gpus`` GPUs whose busiest GPU needs the least
-    memory (the most headroom; among equals the smaller TP, then PP), with everything else of
-    ``base`` kept (micro-batch, global batch, sequence length, ...).
+    """Per optimizer row (settings.py ``ROWS``, applied by ``settings_for_row``), the TP x PP x DP
+    layout of ``gpus`` GPUs whose busiest GPU needs the least memory (the most headroom; among
+    equals the smaller TP, then PP), with everything else of ``base`` kept (micro-batch, global batch, sequence length, ...).
 
     ``rollout_sequences``: sequences a colocated rollout engine generates at once over all
     replicas; each layout's replicas hold ``ceil(n / DP)`` of them (default: ``base.rollout``
