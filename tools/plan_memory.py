@@ -1,7 +1,9 @@
-"""Memory per GPU of a training job, dense Adam vs LoGRA, planned from its flags (no GPU, no model).
+"""Memory per GPU (and host) of a training job, Megatron's dense Adam baselines vs LoGRA, planned from its flags.
 
     python tools/plan_memory.py --preset qwen2.5-32b --bf16 --tensor-model-parallel-size 8
     python tools/plan_memory.py --preset qwen2.5-32b --bf16 --gpus 8 --gpu-memory-gib 80 --search --json
+    python tools/plan_memory.py --preset qwen2.5-32b --bf16 --gpus 8 --gpu-memory-gib 80 --search \
+        --optimizer all --json
     python tools/plan_memory.py --model-config ckpt/model_config.json --bf16 --gpus 8 \\
         --gpu-memory-gib 80 --plot memory.png
 
@@ -10,8 +12,12 @@ fp32 masters, gradient buffers, LoGRA sketches and norm probes, optimizer moment
 reference model, a colocated rollout engine's weights and KV cache) and the step's transient
 peak (activations, logits, temporaries, the KL controller's copies), in GiB.
 ``--gpus N --gpu-memory-gib G`` says whether each plan fits and with how much headroom;
-``--search`` tries every TP x PP x DP layout of the GPUs per optimizer. ``--json`` prints one
-object, ``--plot FILE.png`` draws a stacked bar per GPU (needs matplotlib), ``--validate``
+``--search`` tries every TP x PP x DP layout of the GPUs per optimizer row. ``--optimizer`` picks
+the rows (``all``: adam, adam-precision-aware, adam-cpu-offload, adam-8bit, adam-kl, logra;
+logra_megatron/planning/settings.py ``ROWS``); every row reports its GPU bytes (``gpu_bytes``, the
+busiest GPU), host bytes (``host_bytes`` per rank, ``host_total_bytes`` over the job) and, with
+``--gpu-memory-gib``, ``fits``. ``--json`` prints one object (``plans`` or ``search``, one entry per
+row under the row's name), ``--plot FILE.png`` draws a stacked bar per GPU (needs matplotlib), ``--validate``
 measures a small run against the plan (logra_megatron/planning/validate.py).
 """
 
@@ -28,9 +34,11 @@ from logra_megatron.planning.activations import COMPONENTS as STEP_COMPONENTS  #
 from logra_megatron.planning.arguments import (GIB, add_arguments, data_parallel_size, optimizers_of,  # noqa: E402
                                                settings_from_args)
 from logra_megatron.planning.plan import fits, plan_memory, search_layouts  # noqa: E402
-from logra_megatron.planning.state import STATE_COMPONENTS, TRANSIENT_COMPONENTS  # noqa: E402
+from logra_megatron.planning.state import HOST_COMPONENTS, STATE_COMPONENTS, TRANSIENT_COMPONENTS  # noqa: E402
 
-LABELS = {"adam": "dense Adam", "logra": "LoGRA"}
+LABELS = {"adam": "dense Adam", "adam-precision-aware": "dense Adam, precision-aware",
+          "adam-cpu-offload": "dense Adam, CPU offload", "adam-8bit": "dense Adam, 8-bit moments",
+          "adam-kl": "dense Adam under the KL controller", "logra": "LoGRA"}
 STEP_PHASES = ("forward_backward", "optimizer", "controller")
 
 
@@ -65,7 +73,7 @@ def run_plans(args) -> dict:
     report = {"settings": settings_summary(base), "gpu_memory_bytes": budget, "reserve_bytes": reserve, "plans": {}}
     for optimizer in optimizers_of(args):
         plan = plan_memory(settings_from_args(args, optimizer))
-        entry = plan.to_dict()
+        entry = dict(plan.to_dict(), row=optimizer)
         if budget is not None:
             entry["fits"], entry["headroom_bytes"] = fits(plan, budget, reserve)
         report["plans"][optimizer] = (plan, entry)
@@ -88,7 +96,9 @@ def run_search(args) -> dict:
         if choice.plan is None:
             raise UserError(f"no layout of {args.gpus} GPUs can run this model with {optimizer}: "
                             f"{choice.skipped[0]['reason'] if choice.skipped else 'none tried'}")
-        report["search"][optimizer] = (choice.plan, choice.to_dict())
+        entry = choice.to_dict()
+        entry["best"]["row"] = optimizer
+        report["search"][optimizer] = (choice.plan, entry)
     return report
 
 
@@ -124,7 +134,8 @@ def _stage_groups(plan):
 def print_plan(optimizer: str, plan, entry: dict, report: dict) -> None:
     layout = entry["layout"]
     print(f"== {LABELS[optimizer]}: TP {layout['tensor_parallel']} x PP {layout['pipeline_parallel']} x "
-          f"DP {layout['data_parallel']} ({layout['gpus']} GPUs) ==")
+          f"DP {layout['data_parallel']} ({layout['gpus']} GPUs; distributed optimizer "
+          f"{'on' if entry.get('distributed_optimizer') else 'off'}, kl-control {entry.get('kl_control', 'off')}) ==")
     groups = _stage_groups(plan)
     print(f"{'GiB per GPU':<42}" + "".join(f"{label:>14}" for label, _ in groups))
     for key in STATE_COMPONENTS:
@@ -143,6 +154,13 @@ def print_plan(optimizer: str, plan, entry: dict, report: dict) -> None:
         if any(stage.step.get(key) for _, stage in groups):
             print(f"{'  peak of ' + phase:<42}" + "".join(f"{gib(stage.step.get(key, 0)):>14.2f}" for _, stage in groups))
     print(f"{'total':<42}" + "".join(f"{gib(stage.total_bytes):>14.2f}" for _, stage in groups))
+    if any(stage.host_bytes for _, stage in groups):
+        for key in HOST_COMPONENTS:
+            if any(stage.host.get(key) for _, stage in groups):
+                print(f"{key + ' (host)':<42}"
+                      + "".join(f"{gib(stage.host.get(key, 0)):>14.2f}" for _, stage in groups))
+        print(f"{'host memory per GPU':<42}" + "".join(f"{gib(stage.host_bytes):>14.2f}" for _, stage in groups))
+        print(f"host memory of the job: {gib(entry['host_total_bytes']):.2f} GiB over {layout['gpus']} GPUs")
     if "fits" in entry:
         budget, reserve = report["gpu_memory_bytes"], report["reserve_bytes"]
         verdict = "fits" if entry["fits"] else "does NOT fit"
@@ -178,11 +196,11 @@ def print_report(report: dict) -> None:
     if "search" in report:
         for optimizer, (plan, entry) in report["search"].items():
             print(f"-- {LABELS[optimizer]}: layouts of {report['gpus']} GPUs, least memory first --")
-            print(f"{'TP':>4}{'PP':>4}{'DP':>4}{'GiB per GPU':>14}{'headroom':>12}  fits")
+            print(f"{'TP':>4}{'PP':>4}{'DP':>4}{'GiB per GPU':>14}{'host GiB':>10}{'headroom':>12}  fits")
             for row in entry["candidates"]:
                 print(f"{row['tensor_parallel']:>4}{row['pipeline_parallel']:>4}{row['data_parallel']:>4}"
-                      f"{gib(row['total_per_gpu_bytes']):>14.2f}{gib(row['headroom_bytes']):>12.2f}  "
-                      f"{'yes' if row['fits'] else 'no'}")
+                      f"{gib(row['total_per_gpu_bytes']):>14.2f}{gib(row['host_bytes']):>10.2f}"
+                      f"{gib(row['headroom_bytes']):>12.2f}  {'yes' if row['fits'] else 'no'}")
             for row in entry["skipped"]:
                 print(f"{row['tensor_parallel']:>4}{row['pipeline_parallel']:>4}{row['data_parallel']:>4}  skipped: {row['reason']}")
             print()

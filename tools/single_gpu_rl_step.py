@@ -76,9 +76,9 @@ def plan_flags(args, preset: str, recompute: tuple, gpu_memory_gib: float) -> li
             "--rollout-engine-weights", "shared", *recompute]
 
 
-def plan(args, preset: str, recompute: tuple, gpu_memory_gib: float) -> dict:
+def plan(args, preset: str, recompute: tuple, gpu_memory_gib: float, *extra: str) -> dict:
     command = [sys.executable, str(REPO / "tools" / "plan_memory.py"),
-               *plan_flags(args, preset, recompute, gpu_memory_gib), "--json"]
+               *plan_flags(args, preset, recompute, gpu_memory_gib), *extra, "--json"]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     if proc.returncode != 0:
         raise UserError(f"the planner failed for {preset}: {proc.stderr.strip()[-300:]}")
@@ -190,28 +190,47 @@ def run_steps(args, preset: str, recompute: tuple) -> dict:
             "success": all(c["success"] for c in controls)}
 
 
+BASELINES = ("adam", "adam-precision-aware", "adam-cpu-offload", "adam-cpu-offload-bf16-grads", "adam-8bit", "adam-kl")
+"""The planner's dense rows (logra_megatron/planning/settings.py ``ROWS``), and CPU offload with
+Megatron's bf16 main grads (``--main-grads-dtype bf16``)."""
+
+
 def plan_table(args) -> list:
     """Per preset and GPU size: LoGRA (bf16-sr, sketched embeddings; full recomputation where
-    :func:`recompute_for` asks for it) and dense Adam (bf16 with fp32 masters) for the same job."""
+    :func:`recompute_for` asks for it) and every dense baseline of the planner for the same job,
+    at full recomputation (their least GPU memory), with the host memory of CPU offload."""
     rows = []
     for preset in LARGEST_FIRST[:-1]:
         for gib in (80, 141):
             recompute, plans = recompute_for(args, preset, gib)
-            rows.append({"preset": preset, "gpu_memory_gib": gib, "recompute": "full" if recompute else "none",
-                         "logra_bytes": plans["logra"]["total_per_gpu_bytes"], "logra_fits": plans["logra"]["fits"],
-                         "dense_adam_bytes": plans["adam"]["total_per_gpu_bytes"], "dense_adam_fits": plans["adam"]["fits"]})
+            dense = plan(args, preset, RECOMPUTE_CHOICES[1], gib, "--optimizer", "all")
+            offload_bf16 = plan(args, preset, RECOMPUTE_CHOICES[1], gib, "--optimizer", "adam-cpu-offload",
+                                "--main-grads-dtype", "bf16")
+            dense["adam-cpu-offload-bf16-grads"] = offload_bf16["adam-cpu-offload"]
+            row = {"preset": preset, "gpu_memory_gib": gib, "recompute": "full" if recompute else "none",
+                   "logra_bytes": plans["logra"]["total_per_gpu_bytes"], "logra_fits": plans["logra"]["fits"],
+                   "dense_adam_bytes": dense["adam"]["total_per_gpu_bytes"], "dense_adam_fits": dense["adam"]["fits"],
+                   "host_offload_bytes": dense["adam-cpu-offload"]["host_bytes"]}
+            for name in BASELINES:
+                row[f"{name}_bytes"], row[f"{name}_fits"] = dense[name]["gpu_bytes"], dense[name]["fits"]
+            rows.append(row)
     return rows
 
 
 def print_plan_table(rows: list) -> None:
-    print("| preset | GPU | recompute | LoGRA bf16-sr, planned | dense Adam, planned | measured on a GPU |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| preset | GPU | recompute (LoGRA) | LoGRA bf16-sr | `adam` | `adam-precision-aware` | "
+          "`adam-cpu-offload` (fp32 / bf16 grads) | `adam-8bit` | `adam-kl` | host, offload | measured on a GPU |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | ---: | --- |")
+
+    def verdict(total, fits):
+        return f"{total / GIB:.1f} ({'fits' if fits else '**no**'})"
+
     for row in rows:
-        def verdict(total, fits):
-            return f"{total / GIB:.1f} GiB ({'fits' if fits else 'does not fit'})"
+        cells = [verdict(row[f"{name}_bytes"], row[f"{name}_fits"]) for name in BASELINES]
+        cells[2:4] = [f"{cells[2]} / {cells[3]}"]
         print(f"| {row['preset']} | {row['gpu_memory_gib']} GiB | {row['recompute']} | "
-              f"{verdict(row['logra_bytes'], row['logra_fits'])} | "
-              f"{verdict(row['dense_adam_bytes'], row['dense_adam_fits'])} | not measured on a GPU yet |")
+              f"{verdict(row['logra_bytes'], row['logra_fits'])} | {' | '.join(cells)} | "
+              f"{row['host_offload_bytes'] / GIB:.0f} GiB | not measured on a GPU yet |")
 
 
 @exit_on_user_error

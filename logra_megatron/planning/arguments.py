@@ -14,11 +14,12 @@ from logra_megatron.errors import UserError
 from logra_megatron.logra.config import (MASTER_MODES, UPDATE_RULE_NAMES, LogRAConfig, add_rank_arguments,
                                          rank_settings)
 from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
-from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings, RolloutPlan
+from logra_megatron.planning.settings import (MOMENT_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROWS,
+                                              PlanSettings, RolloutPlan, settings_for_row)
 from logra_megatron.training.config import KL_MODES
 
 GIB = 1024**3
-OPTIMIZER_CHOICES = ("adam", "logra", "both")
+OPTIMIZER_CHOICES = ROWS + ("both", "all")
 
 
 def add_arguments(parser) -> None:
@@ -49,7 +50,22 @@ def add_arguments(parser) -> None:
 
     optimizer = parser.add_argument_group("optimizer and precision")
     optimizer.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="both",
-                           help="plan Megatron's dense Adam, LoGRA, or both side by side (default)")
+                           help="the row to plan: adam (Megatron's dense Adam as users run it: no KL controller, "
+                                "fp32 grads, masters and moments), adam-precision-aware (bf16 grads, 16-bit master "
+                                "remainders, bf16/fp8 moments; distributed optimizer), adam-cpu-offload (optimizer "
+                                "state and fp32 masters on the host), adam-8bit (block-wise 8-bit moments), adam-kl "
+                                "(dense Adam under our KL controller), logra; both: adam and logra (default); all: "
+                                "every row")
+    optimizer.add_argument("--exp-avg-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
+                           help="adam-precision-aware: dtype of Adam's first moment (default bf16)")
+    optimizer.add_argument("--exp-avg-sq-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
+                           help="adam-precision-aware: dtype of Adam's second moment (default bf16)")
+    optimizer.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                           help="adam-cpu-offload: the fraction of the optimizer's parameters whose state "
+                                "and masters live on the host (default 1.0)")
+    optimizer.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
+                           help="adam-cpu-offload: the GPU gradient buffer's dtype (Megatron's main_grads_dtype "
+                                "under --use-precision-aware-optimizer; default fp32)")
     optimizer.add_argument("--use-distributed-optimizer", action="store_true",
                            help="Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 state sharding")
     optimizer.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 gradients and masters)")
@@ -62,8 +78,9 @@ def add_arguments(parser) -> None:
     optimizer.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
     optimizer.add_argument("--logra-norm-probes", type=int, default=defaults.norm_probes)
     optimizer.add_argument("--kl-control", choices=KL_MODES, default="probe",
-                           help="the predicted-KL controller (either optimizer, as in the trainer; default probe): "
-                                "its copies of the dense optimizer's fp32 mains are held during a step")
+                           help="the predicted-KL controller of the logra and adam-kl rows, as in the trainer "
+                                "(default probe): its copies of the dense optimizer's fp32 mains are held during a "
+                                "step; the dense baselines run without it")
     optimizer.add_argument("--kl-probe-sequences", type=int, default=8)
 
     batch = parser.add_argument_group("batch and activations")
@@ -143,31 +160,36 @@ def rollout_for(args, data_parallel: int) -> RolloutPlan:
 
 
 def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
-    """The :class:`PlanSettings` of the flags, for ``optimizer`` (adam or logra; default: the
-    one ``--optimizer`` names, or logra for ``both``)."""
+    """The :class:`PlanSettings` of the flags, for the row ``optimizer`` (settings.py ``ROWS``;
+    default: the one ``--optimizer`` names, or logra for ``both`` and ``all``)."""
     model = load_model(args)
     dp = data_parallel_size(args)
     if optimizer is None:
-        optimizer = "logra" if args.optimizer == "both" else args.optimizer
+        optimizer = "logra" if args.optimizer in ("both", "all") else args.optimizer
     logra = LogRAConfig(**rank_settings(args), update=args.logra_update, master=args.logra_master,
                         embeddings=args.logra_embeddings, norm_probes=args.logra_norm_probes,
                         zero1=args.use_distributed_optimizer)
     if args.kl_probe_sequences < 1:
         raise UserError(f"--kl-probe-sequences must be >= 1, got {args.kl_probe_sequences}")
-    return PlanSettings(
+    base = PlanSettings(
         model=model, tensor_parallel=args.tensor_model_parallel_size,
-        pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=dp, optimizer=optimizer,
+        pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=dp, optimizer="logra",
         distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, logra=logra,
         kl_control=args.kl_control, kl_probe_sequences=args.kl_probe_sequences,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention_backend=args.attention_backend, reference_model=args.reference_model,
-        rollout=rollout_for(args, dp))
+        rollout=rollout_for(args, dp), exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
+        optimizer_offload_fraction=args.optimizer_offload_fraction, main_grads_dtype=args.main_grads_dtype)
+    return settings_for_row(base, optimizer)
 
 
 def optimizers_of(args) -> tuple:
-    return ("adam", "logra") if args.optimizer == "both" else (args.optimizer,)
+    """The rows ``--optimizer`` names (settings.py ``ROWS``)."""
+    if args.optimizer == "both":
+        return ("adam", "logra")
+    return ROWS if args.optimizer == "all" else (args.optimizer,)
 
 
 def with_optimizer(settings: PlanSettings, optimizer: str) -> PlanSettings:

@@ -14,8 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from logra_megatron.errors import UserError
 from logra_megatron.planning import activations
-from logra_megatron.planning.settings import PlanSettings
-from logra_megatron.planning.state import TRANSIENT_COMPONENTS, check_settings, worst_dp_rank_state
+from logra_megatron.planning.settings import PlanSettings, settings_for_row
+from logra_megatron.planning.state import (HOST_COMPONENTS, TRANSIENT_COMPONENTS, check_settings, stage_host_state,
+                                           worst_dp_rank_state)
 
 PEAK_KEY = "peak_step_bytes"
 
@@ -33,6 +34,12 @@ class StagePlan:
     global_buffer_bytes: int = 0
     """Megatron's global memory buffer for the attention scores: allocated by the first step and
     kept (activations.py: ``global_buffer_bytes``)."""
+    host: Dict[str, int] = field(default_factory=dict)
+    """:data:`~logra_megatron.planning.state.HOST_COMPONENTS` of the rank (host memory)."""
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
     @property
     def persistent_bytes(self) -> int:
@@ -53,7 +60,9 @@ class StagePlan:
         return {"stage": self.stage, "dp_rank": self.dp_rank, "components": dict(self.state),
                 "global_buffer_bytes": self.global_buffer_bytes, "step": dict(self.step),
                 "persistent_bytes": self.persistent_bytes,
-                "peak_step_bytes": self.peak_step_bytes, "total_bytes": self.total_bytes}
+                "peak_step_bytes": self.peak_step_bytes, "total_bytes": self.total_bytes,
+                "host_components": {key: self.host.get(key, 0) for key in HOST_COMPONENTS},
+                "host_bytes": self.host_bytes}
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,23 @@ class MemoryPlan:
     def total_per_gpu(self) -> int:
         return self.busiest.total_bytes
 
+    @property
+    def host_per_gpu(self) -> int:
+        """Host bytes of the rank that needs the most (its GPU's share of a node's host memory)."""
+        return max(stage.host_bytes for stage in self.stages)
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes of every rank of the job (each stage's busiest DP rank, times TP x DP)."""
+        s = self.settings
+        return sum(stage.host_bytes for stage in self.stages) * s.tensor_parallel * s.data_parallel
+
     def to_dict(self) -> dict:
         s = self.settings
-        return {"optimizer": s.optimizer, "layout": layout_dict(s), "total_per_gpu_bytes": self.total_per_gpu,
+        return {"optimizer": s.optimizer, "kl_control": s.kl_control,
+                "distributed_optimizer": s.distributed_optimizer, "layout": layout_dict(s),
+                "total_per_gpu_bytes": self.total_per_gpu, "gpu_bytes": self.total_per_gpu,
+                "host_bytes": self.host_per_gpu, "host_total_bytes": self.host_total,
                 "busiest_stage": self.busiest.stage, "stages": [stage.to_dict() for stage in self.stages]}
 
 
@@ -89,7 +112,7 @@ def plan_memory(settings: PlanSettings) -> MemoryPlan:
     for stage in range(settings.pipeline_parallel):
         dp_rank, state = worst_dp_rank_state(settings, stage)
         stages.append(StagePlan(stage, dp_rank, state, dict(activations.activation_bytes(settings, stage)),
-                                activations.global_buffer_bytes(settings)))
+                                activations.global_buffer_bytes(settings), stage_host_state(settings, stage, dp_rank)))
     return MemoryPlan(settings, tuple(stages))
 
 
@@ -130,9 +153,9 @@ def layouts(gpus: int, gpus_per_node: int) -> List[Tuple[int, int, int]]:
 def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
                    optimizers: Sequence[str] = ("adam", "logra"), gpus_per_node: int = 8,
                    reserve_bytes: int = 0, rollout_sequences: Optional[int] = None) -> Dict[str, LayoutChoice]:
-    """Per optimizer, the TP x PP x DP layout of ``gpus`` GPUs whose busiest GPU needs the least
-    memory (the most headroom; among equals the smaller TP, then PP), with everything else of
-    ``base`` kept (micro-batch, global batch, sequence length, ...).
+    """Per optimizer row (settings.py ``ROWS``, applied by ``settings_for_row``), the TP x PP x DP
+    layout of ``gpus`` GPUs whose busiest GPU needs the least memory (the most headroom; among
+    equals the smaller TP, then PP), with everything else of ``base`` kept (micro-batch, global batch, sequence length, ...).
 
     ``rollout_sequences``: sequences a colocated rollout engine generates at once over all
     replicas; each layout's replicas hold ``ceil(n / DP)`` of them (default: ``base.rollout``
@@ -143,7 +166,8 @@ def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
     for optimizer in optimizers:
         candidates, skipped, best = [], [], None
         for tp, pp, dp in layouts(gpus, gpus_per_node):
-            settings = replace(base, optimizer=optimizer, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp)
+            settings = replace(settings_for_row(base, optimizer), tensor_parallel=tp, pipeline_parallel=pp,
+                               data_parallel=dp)
             if rollout_sequences is not None:
                 per_replica = -(-rollout_sequences // dp)
                 settings = replace(settings, rollout=replace(
@@ -157,7 +181,7 @@ def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
                 continue
             ok, headroom = fits(plan, gpu_memory_bytes, reserve_bytes)
             candidates.append(dict(layout_dict(settings), total_per_gpu_bytes=plan.total_per_gpu,
-                                   fits=ok, headroom_bytes=headroom))
+                                   host_bytes=plan.host_per_gpu, fits=ok, headroom_bytes=headroom))
             key = (plan.total_per_gpu, tp, pp)
             if best is None or key < best[0]:
                 best = (key, plan, ok, headroom)

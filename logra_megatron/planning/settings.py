@@ -15,6 +15,18 @@ from logra_megatron.models.config import ModelConfig
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 
+DENSE_OPTIMIZERS = ("adam", "adam-precision-aware", "adam-cpu-offload", "adam-8bit")
+"""Dense Adam as Megatron-Core 0.16.1 runs it (:mod:`logra_megatron.planning.state` has the bytes of
+each): plain (fp32 grads, masters, moments), precision-aware (``use_precision_aware_optimizer``),
+CPU offload (``optimizer_cpu_offload``) and block-wise 8-bit moments."""
+OPTIMIZERS = DENSE_OPTIMIZERS + ("logra",)
+ROWS = ("adam", "adam-precision-aware", "adam-cpu-offload", "adam-8bit", "adam-kl", "logra")
+"""The planner's rows (``tools/plan_memory.py --optimizer``): the dense baselines a Megatron user
+runs (no KL controller), ``adam-kl`` (dense Adam under our predicted-KL controller, with its fp32
+copies of the mains), and LoGRA (under ``--kl-control``, as the trainer runs it)."""
+MOMENT_DTYPES = {"fp32": 4, "bf16": 2, "fp8": 1}
+"""Bytes of an Adam moment element by ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``."""
+
 
 @dataclass(frozen=True)
 class RolloutPlan:
@@ -39,7 +51,7 @@ class PlanSettings:
     pipeline_parallel: int = 1
     data_parallel: int = 1
     optimizer: str = "logra"
-    """``adam`` (Megatron's dense Adam) or ``logra``."""
+    """``logra`` or one of :data:`DENSE_OPTIMIZERS` (``adam``: Megatron's dense Adam)."""
     distributed_optimizer: bool = False
     """Megatron's distributed optimizer (dense) / LoGRA's ZeRO-1 sharding of its state."""
     bf16: bool = False
@@ -48,6 +60,16 @@ class PlanSettings:
     kl_control: str = "probe"
     """``off``, ``probe`` or ``exact`` (what the predicted-KL controller holds during a step)."""
     kl_probe_sequences: int = 8
+    exp_avg_dtype: str = "bf16"
+    """``adam-precision-aware``: dtype of the first moment (:data:`MOMENT_DTYPES`)."""
+    exp_avg_sq_dtype: str = "bf16"
+    """``adam-precision-aware``: dtype of the second moment."""
+    optimizer_offload_fraction: float = 1.0
+    """``adam-cpu-offload``: the fraction of the optimizer's parameters whose state is on the host."""
+    main_grads_dtype: str = "fp32"
+    """``adam-cpu-offload``: Megatron's ``main_grads_dtype`` (with ``use_precision_aware_optimizer``,
+    which slime's recipe sets beside the offload): the GPU gradient buffer in fp32 or bf16
+    (``adam-precision-aware`` always plans bf16)."""
     micro_batch_size: int = 1
     global_batch_size: int = 1
     """Sequences per optimizer step over all data-parallel replicas."""
@@ -77,5 +99,28 @@ class PlanSettings:
     def weight_bytes_per_element(self) -> int:
         return 2 if self.bf16 else 4
 
+    @property
+    def dense(self) -> bool:
+        return self.optimizer in DENSE_OPTIMIZERS
+
     def with_changes(self, **changes) -> "PlanSettings":
         return replace(self, **changes)
+
+
+def settings_for_row(settings: PlanSettings, row: str) -> PlanSettings:
+    """``settings`` for one of the planner's :data:`ROWS`: the dense baselines without the KL
+    controller (as Megatron users run them; precision-aware Adam and CPU offload with the
+    distributed optimizer, which Megatron requires for the first and the planner assumes for the
+    second, as slime's recipe runs it), ``adam-kl`` dense Adam under the controller
+    (``settings.kl_control``, or ``probe`` where that is off), LoGRA as ``settings`` say."""
+    if row not in ROWS:
+        from logra_megatron.errors import UserError
+
+        raise UserError(f"optimizer row must be one of {', '.join(ROWS)}, got {row!r}")
+    if row == "logra":
+        return replace(settings, optimizer="logra")
+    if row == "adam-kl":
+        return replace(settings, optimizer="adam",
+                       kl_control="probe" if settings.kl_control == "off" else settings.kl_control)
+    distributed = settings.distributed_optimizer or row in ("adam-precision-aware", "adam-cpu-offload")
+    return replace(settings, optimizer=row, kl_control="off", distributed_optimizer=distributed)

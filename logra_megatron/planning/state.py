@@ -26,6 +26,20 @@ each component mirrors what the code allocates for them:
   DP rank's slice in ZeRO-1 mode; ``--logra-update rowadam``: one fp32 second moment per sketch
   line and no norm probes), fp32 projections, and per ``--logra-master`` fp32 masters of
   the weights (rows split over DP in ZeRO-1 mode) or none.
+- **Dense baselines** (``settings.optimizer``; byte counts read from megatron-core 0.16.1's
+  ``megatron/core/optimizer/``, see :func:`dense_optimizer_bytes`): ``adam`` as above;
+  ``adam-precision-aware`` (``optimizer_config.py: use_precision_aware_optimizer``, distributed
+  optimizer required): a bf16 gradient buffer (``main_grads_dtype``), 16-bit master remainders
+  (``store_param_remainders``: ``distrib_optimizer.py`` allocates ``master_param`` as int16) and
+  moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (bf16, or fp8), TE FusedAdam's step in its
+  param group (0 bytes); ``adam-cpu-offload`` (``optimizer_cpu_offload``,
+  ``optimizer_offload_fraction``; ``cpu_offloading/hybrid_optimizer.py``): whole parameter shards,
+  in order, until the fraction is reached, get an fp32 host copy (the master), pinned fp32 host
+  gradients and torch Adam's moments and step on the HOST; the GPU keeps the weights, the fp32
+  gradient buffer and, for the rest, fp32 masters and moments; ``adam-8bit``: Megatron's fp32
+  gradients and masters with block-wise 8-bit moments (bitsandbytes' / torchao's: one byte per
+  element and an fp32 absmax per block of 256, tensors under 4096 elements kept in fp32).
+  Host bytes are per rank (:func:`stage_host_state`).
 - **KL controller** (``--kl-control`` not off): while a step is proposed the dense optimizer keeps
   fp32 copies of its mains before and after the step (``controller_extra_bytes``; transient,
   inside the step's peak).
@@ -44,7 +58,8 @@ from typing import Dict, List, Optional, Tuple
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.models.config import resolve_attention_backend
-from logra_megatron.planning.settings import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PlanSettings
+from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
+                                              RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
 
 FP32 = 4
@@ -66,6 +81,14 @@ STATE_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes"
 directions, a reference model and a colocated rollout engine."""
 TRANSIENT_COMPONENTS = ("controller_extra_bytes",)
 """Held only during a step (inside its peak, see logra_megatron/planning/plan.py)."""
+HOST_COMPONENTS = ("host_master_bytes", "host_grad_bytes", "host_moment_bytes")
+"""What one rank keeps in host memory (``adam-cpu-offload``: the offloaded shards' fp32 masters,
+their pinned fp32 gradients, their Adam moments and step)."""
+BLOCKWISE_8BIT_BLOCK = 256
+"""Block-wise 8-bit Adam (bitsandbytes ``Adam8bit``, torchao ``AdamW8bit``): elements per
+quantization block, each with one fp32 absmax scale per moment."""
+BLOCKWISE_8BIT_MIN_NUMEL = 4096
+"""bitsandbytes' ``min_8bit_size``: smaller tensors keep fp32 moments."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +119,21 @@ class Parameter:
 def check_settings(settings: PlanSettings) -> None:
     """Raise a :class:`UserError` when the settings describe a job that cannot run."""
     model = settings.model
-    if settings.optimizer not in ("adam", "logra"):
-        raise UserError(f"optimizer must be adam or logra, got {settings.optimizer!r}")
+    if settings.optimizer not in OPTIMIZERS:
+        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {settings.optimizer!r}")
+    if settings.optimizer in DENSE_OPTIMIZERS and settings.optimizer != "adam" and settings.kl_control != "off":
+        raise UserError(f"{settings.optimizer} is planned without the KL controller (the planner's adam-kl row "
+                        f"is dense Adam under it); got --kl-control {settings.kl_control}")
+    if settings.optimizer in ("adam-precision-aware", "adam-cpu-offload") and not settings.distributed_optimizer:
+        raise UserError(f"{settings.optimizer} runs with Megatron's distributed optimizer")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(settings, name) not in MOMENT_DTYPES:
+            raise UserError(f"--{name.replace('_', '-')} must be one of {', '.join(MOMENT_DTYPES)}, "
+                            f"got {getattr(settings, name)!r}")
+    if settings.main_grads_dtype not in ("fp32", "bf16"):
+        raise UserError(f"--main-grads-dtype must be fp32 or bf16, got {settings.main_grads_dtype!r}")
+    if not 0.0 <= settings.optimizer_offload_fraction <= 1.0:
+        raise UserError(f"--optimizer-offload-fraction must be in [0, 1], got {settings.optimizer_offload_fraction}")
     ParallelLayout(settings.tensor_parallel, settings.pipeline_parallel, settings.world_size).check_model(
         model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab)
     if settings.data_parallel < 1:
@@ -262,9 +298,10 @@ def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] 
     return max(sum(n for _, n in buffer.shard(settings.data_parallel, r)) for r in ranks)
 
 
-def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Dict[str, int]:
-    """Bytes of every component in :data:`STATE_COMPONENTS` on the rank of pipeline stage
-    ``stage`` and data-parallel rank ``dp_rank`` (every TP rank holds the same)."""
+def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host: bool = False):
+    """Bytes of every component in :data:`STATE_COMPONENTS` on the GPU of the rank of pipeline
+    stage ``stage`` and data-parallel rank ``dp_rank`` (every TP rank holds the same);
+    ``with_host``: ``(gpu, host)``, host by :data:`HOST_COMPONENTS`."""
     check_settings(settings)
     dp, distributed = settings.data_parallel, settings.distributed_optimizer
     if not 0 <= dp_rank < dp:
@@ -285,9 +322,8 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Dict[st
     main_numel = sum(n for _, n in mains)
     state = dict.fromkeys(STATE_COMPONENTS, 0)
     state["weight_bytes"] = dense_weights + sum(p.numel for p in sketched) * weight_element
-    state["grad_bytes"] = buffer.numel * FP32 if dense else 0
-    state["master_bytes"] = main_numel * FP32 if settings.bf16 else 0
-    state["moment_bytes"] = main_numel * 2 * FP32 + len(mains) * ADAM_STEP_BYTES
+    gpu, host = dense_optimizer_bytes(settings, buffer.numel if dense else 0, mains)
+    state.update(gpu)
     if settings.kl_control != "off":
         state["controller_extra_bytes"] = 2 * main_numel * FP32
 
@@ -317,7 +353,91 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Dict[st
     if settings.reference_model:
         state["reference_model_bytes"] = stage_numel * weight_element
     state["rollout_bytes"] = rollout_bytes(settings, stage)
-    return state
+    return (state, host) if with_host else state
+
+
+def stage_host_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Dict[str, int]:
+    """Host bytes of every component in :data:`HOST_COMPONENTS` on the rank of ``stage`` and
+    ``dp_rank`` (all zero but for ``adam-cpu-offload``)."""
+    return stage_state(settings, stage, dp_rank, with_host=True)[1]
+
+
+def offloaded_shards(settings: PlanSettings, mains: List[Tuple[Parameter, int]]) -> int:
+    """How many of ``mains`` (in the optimizer's order) ``HybridDeviceOptimizer`` moves to the host
+    (cpu_offloading/hybrid_optimizer.py ``_get_sub_optimizer_param_groups``: a parameter is
+    offloaded while the elements offloaded so far are below ``fraction x`` all of them)."""
+    threshold = sum(n for _, n in mains) * settings.optimizer_offload_fraction
+    offloaded, count = 0, 0
+    for _, elements in mains:
+        if offloaded >= threshold:
+            break
+        offloaded += elements
+        count += 1
+    return count
+
+
+def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
+                          mains: List[Tuple[Parameter, int]]) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """``(gpu, host)``: the dense optimizer's gradient buffer, masters and moments on one rank, for
+    ``settings.optimizer``; ``mains`` are the ``(parameter, elements)`` the optimizer updates on
+    this rank (its shard under the distributed optimizer). Read from megatron-core 0.16.1:
+
+    - ``adam``: DDP's fp32 gradient buffer (``grad_reduce_in_fp32``), fp32 masters of bf16 weights
+      (``distrib_optimizer.py``: ``shard_model_param.clone().float()``; ``optimizer.py``'s
+      ``Float16OptimizerWithFloat16Params`` without it), two fp32 moments and torch's step.
+    - ``adam-precision-aware`` (``optimizer_config.py``: ``use_precision_aware_optimizer``, needs
+      the distributed optimizer and TE's FusedAdam): the gradient buffer in ``main_grads_dtype``
+      bf16; with bf16 weights and ``store_param_remainders`` (default True) the master is the 16
+      bits the bf16 weight lacks (``distrib_optimizer.py``: ``master_param`` as ``torch.int16``),
+      fp32 weights are their own masters; ``exp_avg`` / ``exp_avg_sq`` in their dtypes (fp8: one
+      byte, TE's per-tensor scale not counted); FusedAdam keeps ``step`` in the param group.
+    - ``adam-cpu-offload`` (``optimizer_cpu_offload``, ``optimizer_offload_fraction``;
+      ``cpu_offloading/hybrid_optimizer.py`` with ``param_update_in_fp32=True`` as
+      ``optimizer/__init__.py`` builds it, and the precision-aware path that leaves the masters to
+      it, as slime's recipe runs it): the gradient buffer on the GPU (fp32, or bf16 with
+      ``main_grads_dtype`` bf16); each offloaded shard an
+      fp32 host copy (``.cpu().pin_memory()`` then ``.float()``), a pinned fp32 host gradient
+      (``cpu_copy_map_grad``), CPUAdam's two fp32 moments and step tensor; the rest fp32 masters
+      (bf16 weights) and moments on the GPU.
+    - ``adam-8bit``: as ``adam``, with block-wise 8-bit moments (one byte an element, an fp32 absmax
+      per block of :data:`BLOCKWISE_8BIT_BLOCK` per moment; fp32 below
+      :data:`BLOCKWISE_8BIT_MIN_NUMEL` elements).
+    """
+    kind = settings.optimizer
+    gpu = dict(grad_bytes=grad_buffer_numel * FP32, master_bytes=0, moment_bytes=0)
+    host = dict.fromkeys(HOST_COMPONENTS, 0)
+    master = FP32 if settings.bf16 else 0
+    main_numel = sum(n for _, n in mains)
+    if kind in ("adam", "logra"):
+        gpu["master_bytes"] = main_numel * master
+        gpu["moment_bytes"] = main_numel * 2 * FP32 + len(mains) * ADAM_STEP_BYTES
+    elif kind == "adam-precision-aware":
+        gpu["grad_bytes"] = grad_buffer_numel * 2
+        gpu["master_bytes"] = main_numel * 2 if settings.bf16 else 0
+        gpu["moment_bytes"] = main_numel * (MOMENT_DTYPES[settings.exp_avg_dtype]
+                                            + MOMENT_DTYPES[settings.exp_avg_sq_dtype])
+    elif kind == "adam-cpu-offload":
+        gpu["grad_bytes"] = grad_buffer_numel * (2 if settings.main_grads_dtype == "bf16" else FP32)
+        count = offloaded_shards(settings, mains)
+        on_host, on_gpu = mains[:count], mains[count:]
+        host_numel, gpu_numel = sum(n for _, n in on_host), sum(n for _, n in on_gpu)
+        gpu["master_bytes"] = gpu_numel * master
+        gpu["moment_bytes"] = gpu_numel * 2 * FP32 + len(on_gpu) * ADAM_STEP_BYTES
+        host["host_master_bytes"] = host_numel * FP32
+        host["host_grad_bytes"] = host_numel * FP32
+        host["host_moment_bytes"] = host_numel * 2 * FP32 + len(on_host) * ADAM_STEP_BYTES
+    elif kind == "adam-8bit":
+        gpu["master_bytes"] = main_numel * master
+        moments = 0
+        for _, elements in mains:
+            if elements < BLOCKWISE_8BIT_MIN_NUMEL:
+                moments += 2 * elements * FP32
+            else:
+                moments += 2 * (elements + FP32 * -(-elements // BLOCKWISE_8BIT_BLOCK))
+        gpu["moment_bytes"] = moments + len(mains) * ADAM_STEP_BYTES
+    else:
+        raise UserError(f"no dense optimizer {kind!r}")
+    return gpu, host
 
 
 def kv_cache_bytes(settings: PlanSettings, stage: int) -> int:

@@ -180,6 +180,9 @@ def main_validate(args) -> int:
     from logra_megatron.errors import UserError
 
     settings_list = [settings_from_args(args, optimizer) for optimizer in optimizers_of(args)]
+    unbuilt = sorted({s.optimizer for s in settings_list} - {"adam", "logra"})
+    if unbuilt:  # the trainer builds Megatron's plain Adam and LoGRA only
+        raise UserError(f"--validate measures adam, adam-kl and logra; {', '.join(unbuilt)} is planned only")
     first = settings_list[0]
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
