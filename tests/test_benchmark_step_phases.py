@@ -10,7 +10,7 @@ from dist_harness import REPO
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 DENSE_PHASES = {"zero_grad", "forward_backward", "optimizer_step", "grad_norm", "dense_step"}
-LOGRA_PHASES = DENSE_PHASES | {"sketch_reduce", "update_rule", "kl_forecast", "commit", "range_finder",
+LOGRA_PHASES = DENSE_PHASES | {"sketch_reduce", "update_rule", "kl_forecast", "kl_realized", "commit", "range_finder",
                                "norm_probe_draw", "range_finder_arm"}
 
 
@@ -18,7 +18,7 @@ def test_the_phases_of_both_optimizers_in_one_json_object():
     proc = subprocess.run(
         [sys.executable, "tools/benchmark_step_phases.py", "--preset", "tiny", "--bf16", "--logra-master", "bf16-sr",
          "--logra-rank", "8", "--logra-embeddings", "--steps", "2", "--seq-length", "16", "--global-batch-size", "4",
-         "--micro-batch-size", "2", "--json"],
+         "--micro-batch-size", "2", "--kl-realized-interval", "1", "--json"],
         capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -43,6 +43,14 @@ def test_the_phases_of_both_optimizers_in_one_json_object():
     assert logra["refresh_steps"] == 1 and logra["refresh_step_time_s"] > logra["phases_s"]["range_finder"]
     assert logra["step_time_without_kl_s"] < logra["step_time_s"]
     assert set(report["ratio"]) >= {"step_time_s", "step_time_without_kl_s", "amortized_step_time_s", "cpu"}
+    # The controller's share: forecast (with its refinements) + realized KL over the step that did
+    # not refresh (the first timed one).
+    plain = logra["steps"][0]["seconds"]
+    share = (plain["kl_forecast"] + plain["kl_realized"]) / plain["step"]
+    assert report["controller_share"] == logra["controller_share"] == share and 0 < share < 1
+    assert abs(logra["step_time_without_kl_s"] - (plain["step"] - plain["kl_forecast"] - plain["kl_realized"])) < 1e-9
+    assert report["settings"]["kl_realized_interval"] == 1
+    assert "controller_share" in proc.stderr
 
 
 def test_bad_input_is_one_error_line():

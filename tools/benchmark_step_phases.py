@@ -20,17 +20,23 @@ The phases are the ones the code marks (``logra_megatron/platform/phases.py``: a
   sketch norm and norm-probe residual, clipping), ``dense_step`` (Megatron's Adam: all of dense
   Adam's parameters, or LoGRA's dense remainder), ``update_rule`` (LoGRA's sketch-space ``U``),
   ``kl_forecast`` (LoGRA side, ``--kl-control probe|linear``: the forecast's forward passes and
-  reductions), ``commit`` (LoGRA's row-block update through the master mode) and
+  reductions: the probe's ``s = 0`` logits once, the forecast at the full step and the scale
+  search's refinements), ``kl_realized`` (the realized KL of the committed step, on the steps
+  ``--kl-realized-interval`` picks; 0, the default, measures none), ``commit`` (LoGRA's row-block
+  update through the master mode) and
   ``range_finder`` (LoGRA, refresh steps only: the new projections, the state rotated).
 
 The refresh interval is ``--logra-refresh-interval`` (default: ``--steps``, so the last timed step
 refreshes and the range finder is timed). Per side: each phase's median over the timed steps it
 ran in, ``step_time_s`` (median over the timed steps that did not refresh), ``refresh_step_time_s``
 (a refresh step), ``amortized_step_time_s`` (a step with a refresh every 10 steps, the trainer's
-default) and ``step_time_without_kl_s`` (the step less its KL forecast), in wall time and, under
+default), ``step_time_without_kl_s`` (the step less its KL forecast and realized KL) and
+``controller_share`` (the controller's phases, ``kl_forecast`` + ``kl_realized``, over the whole
+step, median over the same steps as ``step_time_s``), in wall time and, under
 ``cpu``, in the process's CPU time (all threads; less disturbed by other jobs on a shared
 machine); the dense side runs as users run Megatron's Adam (``--kl-control off``). The parent
-prints a table, or with ``--json`` one object ``{"settings", "dense", "logra", "ratio"}``.
+prints a table, or with ``--json`` one object ``{"settings", "dense", "logra", "ratio",
+"controller_share"}`` (the last: LoGRA's, in wall time).
 """
 
 import json
@@ -49,8 +55,9 @@ from logra_megatron.training.config import KL_MODES, KLControlConfig  # noqa: E4
 from _bench_common import add_attention_backend, run_json_child, validate_benchmark_args  # noqa: E402
 
 TOP_PHASES = ("zero_grad", "forward_backward", "optimizer_step")
-OPTIMIZER_PHASES = ("sketch_reduce", "grad_norm", "dense_step", "update_rule", "kl_forecast", "commit",
-                    "range_finder")
+OPTIMIZER_PHASES = ("sketch_reduce", "grad_norm", "dense_step", "update_rule", "kl_forecast", "kl_realized",
+                    "commit", "range_finder")
+CONTROLLER_PHASES = ("kl_forecast", "kl_realized")
 ZERO_GRAD_PHASES = ("norm_probe_draw", "range_finder_arm")
 PHASES = TOP_PHASES + OPTIMIZER_PHASES + ZERO_GRAD_PHASES
 TIMES = ("step_time_s", "step_time_without_kl_s", "refresh_step_time_s", "amortized_step_time_s")
@@ -71,6 +78,9 @@ def parse_args(argv):
                         help="KL control on the LoGRA side (default probe, the trainer's); dense Adam runs without")
     parser.add_argument("--kl-probe-sequences", type=int, default=KLControlConfig().probe_sequences,
                         help="rows of the batch the forecast runs on (default: the trainer's)")
+    parser.add_argument("--kl-realized-interval", type=int, default=0,
+                        help="measure the realized KL every N controlled steps (default 0: never; the trainer's is "
+                             f"{KLControlConfig().realized_interval})")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=8)
@@ -83,6 +93,8 @@ def parse_args(argv):
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length", "kl_probe_sequences"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kl_realized_interval < 0:
+        parser.error("--kl-realized-interval must be >= 0")
     if args.logra_refresh_interval is None:
         args.logra_refresh_interval = args.steps
     return args
@@ -122,7 +134,8 @@ def run_child(args) -> dict:
     tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
                            generator=generator).to(device)
     mode = args.kl_control if args.child == "logra" else "off"
-    controller = PredictedKLController(KLControlConfig(mode=mode, realized_interval=0))
+    controller = PredictedKLController(KLControlConfig(
+        mode=mode, realized_interval=args.kl_realized_interval if args.child == "logra" else 0))
     rows = tokens[:min(args.kl_probe_sequences, len(tokens))]
     probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=args.micro_batch_size)
 
@@ -172,15 +185,17 @@ def summarize(per_step: list, key: str) -> dict:
     phases["other"] = median([entry[key]["other"] for entry in per_step])
     plain = [entry[key]["step"] for entry in per_step if not entry["refresh"]]
     refreshing = [entry[key]["step"] for entry in per_step if entry["refresh"]]
-    without_kl = [entry[key]["step"] - entry[key].get("kl_forecast", 0.0)
-                  for entry in per_step if not entry["refresh"]] or \
-        [entry[key]["step"] - entry[key].get("kl_forecast", 0.0) for entry in per_step]
+    counted = [entry for entry in per_step if not entry["refresh"]] or per_step
+    controller = [sum(entry[key].get(name, 0.0) for name in CONTROLLER_PHASES) for entry in counted]
+    without_kl = [entry[key]["step"] - seconds for entry, seconds in zip(counted, controller)]
+    shares = [seconds / entry[key]["step"] for entry, seconds in zip(counted, controller)]
     step_time = median(plain) if plain else median(refreshing)
     refresh_time = median(refreshing)
     amortized = step_time if refresh_time is None else \
         step_time + (refresh_time - step_time) / TRAINER_REFRESH_INTERVAL
     return {"phases_s": phases, "step_time_s": step_time, "step_time_without_kl_s": median(without_kl),
-            "refresh_step_time_s": refresh_time, "amortized_step_time_s": amortized}
+            "refresh_step_time_s": refresh_time, "amortized_step_time_s": amortized,
+            "controller_s": median(controller), "controller_share": median(shares)}
 
 
 def run_parent(args) -> dict:
@@ -198,11 +213,13 @@ def run_parent(args) -> dict:
     settings = {"preset": args.preset, "rank": args.logra_rank, "max_rank": args.logra_max_rank,
                 "bf16": args.bf16, "logra_master": args.logra_master, "logra_embeddings": args.logra_embeddings,
                 "kl_control": args.kl_control, "kl_probe_sequences": args.kl_probe_sequences,
+                "kl_realized_interval": args.kl_realized_interval,
                 "refresh_interval": args.logra_refresh_interval, "steps": args.steps,
                 "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
                 "seq_length": args.seq_length, "attention_backend": args.attention_backend,
                 "device": _device_name()}
-    return {"settings": settings, "dense": dense, "logra": logra, "ratio": ratio}
+    return {"settings": settings, "dense": dense, "logra": logra, "ratio": ratio,
+            "controller_share": logra["controller_share"]}
 
 
 def _device_name() -> str:
@@ -234,6 +251,8 @@ def print_table(report) -> None:
         wall, cpu = report["ratio"].get(key), report["ratio"]["cpu"].get(key)
         print(f"{key:<26}{_seconds(dense.get(key)):>11}{_seconds(logra.get(key)):>11}{_ratio(wall):>7}  |"
               f"{_seconds(dense['cpu'].get(key)):>11}{_seconds(logra['cpu'].get(key)):>11}{_ratio(cpu):>7}")
+    print(f"controller_share (LoGRA: kl_forecast + kl_realized over the step)  wall {_ratio(logra['controller_share'])}"
+          f"  |  CPU {_ratio(logra['cpu']['controller_share'])}")
 
 
 def _ratio(value) -> str:
@@ -253,6 +272,7 @@ def main(argv=None):
     report = run_parent(args)
     if args.json:
         print(json.dumps(report))
+        print(f"controller_share {report['controller_share']:.3f}", file=sys.stderr)
     else:
         print_table(report)
 

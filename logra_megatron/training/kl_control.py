@@ -9,9 +9,12 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    few sequences of the current batch), without a copy of the weights:
    ``optimizer.preview(s)`` makes forward passes see ``W + s D`` (LoGRA: a side path of two
    thin matmuls inside each sketching layer; the small dense remainder set in place from its
-   fp32 masters), and the probe rows go through the model one microbatch at a time, at
-   ``s = 0`` and at ``s``, so only one microbatch of logits per side is ever held.
-   - ``probe``: the exact KL at ``W + D``;
+   fp32 masters), and the probe rows go through the model one microbatch at a time.
+   - ``probe``: the exact KL at ``W + D``. The ``s = 0`` logits are computed once per step
+     (:meth:`PredictedKLController.base_logits`: the probe's masked positions only, in the
+     logits' dtype) and reused by the forecast, every refinement and the realized KL when it
+     runs on the probe: a step is ``1 + 1 + refinements`` forward passes of the probe set, where
+     recomputing them cost ``2 (1 + refinements)``;
    - ``linear``: ``0.5 Var_p(dz)`` per token, ``dz`` the change of the logits along ``D``
      (a forward difference at ``eps D`` divided by ``eps``; a secant at ``D`` when the model
      computes in bf16, where a small difference would round away). KL is then ``s^2`` times it.
@@ -39,9 +42,11 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    calibration out of sample is visible (``kl_realized``).
 
 Extra memory: what ``optimizer.extra_bytes()`` reports (LoGRA: fp32 copies of the dense
-remainder before and after its step; dense Adam: of all its masters), the logits of one probe
-microbatch at two scales, and the full-vocabulary reductions' temporaries, taken over token
-chunks (``ops/budgets.py: KL_CHUNK_ELEMENTS``): three chunk-sized copies.
+remainder before and after its step; dense Adam: of all its masters), in ``probe`` mode the
+cached ``s = 0`` logits of the probe's masked tokens (``masked tokens x V/tp x`` the logits'
+bytes, on the last pipeline stage), the logits of one probe microbatch at two scales, and the
+full-vocabulary reductions' temporaries, taken over token chunks (``ops/budgets.py:
+KL_CHUNK_ELEMENTS``): three chunk-sized copies.
 """
 
 import math
@@ -186,17 +191,59 @@ class PredictedKLController:
     # --- forecasts (public for tests and the demo) ------------------------------------------------
 
     @torch.no_grad()
-    def kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float) -> float:
-        """Agreed mean ``KL(p_W || p_{W + scale D})`` over the probe's masked tokens, for the
-        proposed ``D``; leaves the optimizer previewing ``W``."""
-        total = 0.0
+    def base_logits(self, model, optimizer: TrainingOptimizer, probe: ProbeSet) -> list:
+        """The unchanged policy's (``s = 0``) logits of every probe part, computed once for a
+        proposed ``D`` and reused by every forecast of the step (:meth:`kl` with ``base``): one
+        forward pass of the probe set instead of one per forecast.
+
+        Kept per part in the logits' own dtype (2 bytes a logit under bf16, half of fp32
+        log-probs, and the KL computed from them is bitwise today's), and only at the positions
+        the probe's mask counts (the response tokens; the prompt's are dropped): ``[kept, V/tp]``
+        per part, with the mask's positions to put them back. Last stage only (None elsewhere).
+        Leaves the optimizer previewing ``W``."""
+        optimizer.preview(0.0)
+        cached = []
         for part in probe.parts():
-            optimizer.preview(0.0)
-            old = probe.logits(model, part)
+            logits = probe.logits(model, part)
+            if logits is None:
+                cached.append(None)
+                continue
+            vocab = logits.shape[-1]
+            keep = (probe.mask[part].to(logits.device) != 0).reshape(-1)
+            cached.append((logits.reshape(-1, vocab)[keep], keep, logits.shape))
+            del logits
+        return cached
+
+    @staticmethod
+    def _restore(entry) -> torch.Tensor:
+        """One part's ``s = 0`` logits back in their shape: the cached rows where the mask counts,
+        zeros elsewhere (positions the masked sum multiplies by 0, so the KL is unchanged)."""
+        rows, keep, shape = entry
+        full = rows.new_zeros(keep.numel(), shape[-1])
+        full[keep] = rows
+        return full.view(shape)
+
+    @torch.no_grad()
+    def kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float,
+           base: Optional[list] = None) -> float:
+        """Agreed mean ``KL(p_W || p_{W + scale D})`` over the probe's masked tokens, for the
+        proposed ``D``; leaves the optimizer previewing ``W``. ``base``: the probe's ``s = 0``
+        logits from :meth:`base_logits` (one forward pass of the probe per call instead of
+        two); without it they are computed here."""
+        total = 0.0
+        if base is not None:
             optimizer.preview(scale)
+        for index, part in enumerate(probe.parts()):
+            if base is None:
+                optimizer.preview(0.0)
+                old = probe.logits(model, part)
+                optimizer.preview(scale)
             new = probe.logits(model, part)
+            if base is not None:
+                old = None if base[index] is None else self._restore(base[index])
             if parallel.is_last_stage():
                 total += masked_kl_sum(old, new, probe.mask[part].to(old.device))
+            del old, new
         optimizer.preview(0.0)
         return self._mean(total, probe)
 
@@ -223,13 +270,13 @@ class PredictedKLController:
         return parallel.agree_on_scalar(total / count)
 
     def forecast(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float = 1.0,
-                 linear_unit: Optional[float] = None) -> float:
+                 linear_unit: Optional[float] = None, base: Optional[list] = None) -> float:
         """KL_pred of ``scale * D`` in the configured mode (``linear_unit``: a linear forecast of
-        the full step already computed)."""
+        the full step already computed; ``base``: the probe's cached ``s = 0`` logits)."""
         if self.config.mode == "linear":
             unit = self.linear_kl(model, optimizer, probe) if linear_unit is None else linear_unit
             return scale**2 * unit
-        return self.kl(model, optimizer, probe, scale)
+        return self.kl(model, optimizer, probe, scale, base)
 
     def max_scale(self, optimizer) -> float:
         """``--kl-max-scale``, or when it is not given the optimizer's own cap (an optional
@@ -245,14 +292,14 @@ class PredictedKLController:
             return max_scale
         return min(max_scale, math.sqrt(self.budget() / kl))
 
-    def _refine(self, model, optimizer, probe, scale: float, kl_full: float) -> float:
+    def _refine(self, model, optimizer, probe, scale: float, kl_full: float, base: Optional[list] = None) -> float:
         """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
         local growth exponent of KL in the step size (2 near zero, towards 1 for large steps)
         is estimated from the last two forecasts, in log space, and used for the next scale."""
         config, budget = self.config, self.budget()
         previous_scale, previous_kl = 1.0, kl_full
         for _ in range(config.max_refinements):
-            kl = self.kl(model, optimizer, probe, scale)
+            kl = self.kl(model, optimizer, probe, scale, base)
             if kl <= config.tolerance * budget:
                 return scale
             exponent = 2.0
@@ -288,11 +335,13 @@ class PredictedKLController:
             return {"success": False, "grad_norm": grad_norm, "kl_pred": None, "step_scale": 0.0,
                     "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
         start = time.perf_counter()
-        kl_pred, scale = None, 1.0
+        kl_pred, scale, base = None, 1.0, None
         if config.mode != "off":
             with phase("kl_forecast"):
+                # probe mode: the s = 0 logits once, for the forecast and every refinement.
+                base = self.base_logits(model, optimizer, probe) if config.mode == "probe" else None
                 linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
-                kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit)
+                kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit, base)
             if not math.isfinite(kl_pred):
                 # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
                 optimizer.discard()
@@ -302,11 +351,15 @@ class PredictedKLController:
             scale = self._scale_for(kl_pred, self.max_scale(optimizer))
             if config.mode == "probe" and scale != 1.0:
                 with phase("kl_forecast"):
-                    scale = self._refine(model, optimizer, probe, scale, kl_pred)
+                    scale = self._refine(model, optimizer, probe, scale, kl_pred, base)
         kl_realized = None
         if measure_realized:
             with phase("kl_realized"):
-                kl_realized = self.kl(model, optimizer, held_out if held_out is not None else probe, scale)
+                if held_out is not None:
+                    kl_realized = self.kl(model, optimizer, held_out, scale)
+                else:  # on the probe itself: its cached s = 0 logits serve again
+                    kl_realized = self.kl(model, optimizer, probe, scale, base)
+        del base
         extra = optimizer.extra_bytes()
         overhead = time.perf_counter() - start
         optimizer.commit(scale)
