@@ -285,7 +285,7 @@ def test_launch_scripts_run_the_projects_venv_and_say_so(tmp_path, script, args,
     proc = subprocess.run(["bash", str(root / "launch" / script), *args], capture_output=True, text=True,
                           timeout=60, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"[launch] python: {python} (Python 3.fake)" in proc.stderr
+    assert f"[launch] python: {python} (Python 3.fake)" in proc.stdout
     calls = log.read_text().splitlines()
     assert any(line.startswith(str(python)) and called in line for line in calls), calls
 
@@ -296,7 +296,7 @@ def test_without_a_venv_the_scripts_run_python3_and_say_so(tmp_path):
     proc = subprocess.run(["bash", str(root / "launch" / "gpu_check.sh"), "--cpu", "out"], capture_output=True,
                           text=True, timeout=60, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr
-    assert f"[launch] python: {python3} (Python 3.fake)" in proc.stderr
+    assert f"[launch] python: {python3} (Python 3.fake)" in proc.stdout
     assert any(line.startswith(str(python3)) and "tools/gpu_check.py" in line for line in log.read_text().splitlines())
 
 
