@@ -12,6 +12,8 @@ import datetime
 import os
 import socket
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -63,8 +65,10 @@ def init_distributed(timeout_minutes: int = 10) -> None:
                             init_method=f"tcp://127.0.0.1:{_free_port()}")
 
 
-def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> ParallelLayout:
+def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234,
+               virtual_pipeline: Optional[int] = None) -> ParallelLayout:
     """Start torch.distributed if needed, build Megatron's groups for the layout, seed RNGs.
+    ``virtual_pipeline``: model chunks per pipeline rank (Megatron's interleaved schedule).
 
     Re-initializing with another layout in the same process is allowed (tests use it): the
     previous model-parallel groups are destroyed first.
@@ -78,6 +82,7 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

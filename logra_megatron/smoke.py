@@ -60,8 +60,8 @@ def parse_args(argv=None):
                         help="Megatron's: the DP reduction in buckets during the backward (dense gradients and "
                              "LoGRA's sketches alike)")
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                        help="refused here (one model chunk per rank): examples/megatron_loop.py runs the "
-                             "interleaved pipeline")
+                        help="Megatron's interleaved pipeline: layers per model chunk (several chunks per "
+                             "pipeline rank; PP > 1)")
     parser.add_argument("--context-parallel-size", type=int, default=1, help="refused above 1 (not supported)")
 
     schema.add_arguments(parser, "recompute", RecomputeConfig, "activation recomputation")
@@ -69,9 +69,9 @@ def parse_args(argv=None):
     args.recompute = RecomputeConfig(**schema.values_for(args, "recompute", RecomputeConfig))
     if args.fp16:
         parser.error("--fp16 is not supported: fp16 training needs loss scaling, which is not implemented")
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        parser.error("--num-layers-per-virtual-pipeline-stage: the smoke job builds one model chunk per rank; "
-                     "examples/megatron_loop.py runs Megatron's interleaved pipeline with LoGRA")
+    if args.num_layers_per_virtual_pipeline_stage is not None and (args.load or args.report_json):
+        parser.error("--num-layers-per-virtual-pipeline-stage runs without --load and --report-json "
+                     "(they read one model chunk per rank)")
     if args.context_parallel_size != 1:
         parser.error("--context-parallel-size > 1 is not supported: the sketching linears and the SDPA core "
                      "attention have no context-parallel path (ring attention, the sequence split over CP)")
@@ -100,6 +100,14 @@ def validate(args, world_size: int):
     if args.sequence_parallel and (layout.tensor_parallel < 2 or args.seq_length % layout.tensor_parallel):
         raise UserError(f"--sequence-parallel needs --tensor-model-parallel-size > 1 and a --seq-length "
                         f"({args.seq_length}) it divides")
+    args.virtual_pipeline = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = model_config.layers // layout.pipeline_parallel
+        chunk = args.num_layers_per_virtual_pipeline_stage
+        if layout.pipeline_parallel < 2 or chunk < 1 or per_stage % chunk:
+            raise UserError(f"--num-layers-per-virtual-pipeline-stage {chunk} needs --pipeline-model-parallel-size "
+                            f"> 1 and must divide the {per_stage} layers of a pipeline stage")
+        args.virtual_pipeline = per_stage // chunk
     if args.seq_length + 1 > model_config.max_seq:
         raise UserError(f"--seq-length {args.seq_length} exceeds the model's max_seq {model_config.max_seq}")
     logra_config = LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval)
@@ -118,7 +126,8 @@ def run(args) -> list:
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_config, layout, logra_config = validate(args, world_size)
-    parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed)
+    parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed,
+                        virtual_pipeline=args.virtual_pipeline)
     bare_model, model, optimizer = build_trainable(
         model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed,
         recompute=args.recompute, attention_backend=args.attention_backend,
@@ -133,13 +142,13 @@ def run(args) -> list:
     tokens = torch.randint(0, model_config.vocab, (args.global_batch_size, args.seq_length + 1),
                            generator=generator)
     per_replica = args.global_batch_size // layout.data_parallel
-    mine = tokens[parallel.dp_rank() * per_replica : (parallel.dp_rank() + 1) * per_replica].to(model_device(bare_model))
+    mine = tokens[parallel.dp_rank() * per_replica : (parallel.dp_rank() + 1) * per_replica].to(model_device(model[0] if isinstance(model, list) else model))
 
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
         print(f"smoke: preset={args.preset} params={model_config.num_parameters():,} "
               f"tp={layout.tensor_parallel} pp={layout.pipeline_parallel} dp={layout.data_parallel} "
-              f"optimizer={args.optimizer}",
+              f"{f'vpp={args.virtual_pipeline} ' if args.virtual_pipeline else ''}optimizer={args.optimizer}",
               flush=True)
     def one_step():
         return train_step(model, optimizer, lambda m: lm_forward_backward(m, mine, args.micro_batch_size))

@@ -141,15 +141,20 @@ def smoke(args, nproc):
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
 
 
-def test_the_smoke_job_runs_sequence_parallel_and_overlapped_on_tp1s_losses():
+def test_the_smoke_job_runs_sequence_parallel_overlapped_and_interleaved_on_tp1s_losses():
     reference = smoke([], 1)
     assert len(reference) == 3
     assert smoke(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2) == pytest.approx(reference, rel=1e-5)
     assert smoke(["--overlap-grad-reduce"], 2) == pytest.approx(reference, rel=1e-5)
+    # all of Megatron's at once (issue 31's command): TP2 x PP2, two model chunks a rank, SP, overlap
+    everything = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel", "--overlap-grad-reduce"]
+    assert smoke(everything, 4) == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "examples/megatron_loop.py runs Megatron's interleaved"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--report-json", "r.json"], "runs without --load and --report-json"),
     (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
 ])

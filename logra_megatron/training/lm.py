@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
-from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for
+from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for, unwrap_model
 from logra_megatron.models.positions import PackedRows, padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
 
@@ -40,7 +40,8 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     batch, length = tokens.shape
     if batch % micro_batch_size != 0:
         raise ValueError(f"batch {batch} is not a multiple of micro batch size {micro_batch_size}")
-    device = model_device(model)
+    chunks = model if isinstance(model, list) else [model]  # several under a virtual pipeline
+    device = model_device(chunks[0])
     tokens = tokens.to(device)
     loss_mask = None if loss_mask is None else loss_mask.to(device)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -61,15 +62,16 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
             output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
             return output, lambda out: _lm_loss(mb_mask, out)
         logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
-        if not parallel.is_last_stage():
+        if not unwrap_model(model).post_process:  # not the model's last chunk: hidden states
             return logits, lambda out: _lm_loss(mb_mask, out)  # only the last stage calls it
         per_token = vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), vocab_size), mb_labels)
         return per_token, lambda out: _lm_loss(mb_mask, out)
 
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
+        # the interleaved schedule reads each chunk's microbatches from that chunk's iterator
+        data_iterator=iter(microbatches) if len(chunks) == 1 else [iter(microbatches) for _ in chunks],
+        model=chunks,
         num_microbatches=len(microbatches),
         seq_length=length - 1,
         micro_batch_size=micro_batch_size,

@@ -33,37 +33,48 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     recomputation in the backward (default: none). ``attention_backend``: the layers' core
     attention (``--attention-backend``: auto, sdpa or unfused). ``sequence_parallel`` and
     ``overlap_grad_reduce`` are Megatron's (the latter covers LoGRA's sketches too:
-    ``logra/sketch_overlap.py``)."""
+    ``logra/sketch_overlap.py``). Under a virtual pipeline (process groups initialized with one)
+    the model and its DDP wrapper are lists, one model chunk per virtual stage."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     recompute = recompute or RecomputeConfig()
-    recompute.check_layers(model_config.layers // pp)
+    recompute.check_layers(model_config.layers // pp // (virtual or 1))
     config = transformer_config(model_config, tp, pp, dtype=dtype, sequence_parallel=sequence_parallel,
-                                **recompute.transformer_kwargs())
+                                virtual_pipeline=virtual, **recompute.transformer_kwargs())
     if settings.kind == "logra":
         spec = logra_layer_spec(attention_backend=attention_backend)
     else:
         spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend)
-    model = build_gpt_model(model_config, config, spec)
-    initialize_layout_independent(model, model_config.vocab, seed)
-    if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:
-        sketch_embeddings(model, model_config.vocab)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=settings.distributed)
-    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    # One model chunk per virtual pipeline stage (Megatron's interleaved schedule, when the
+    # process groups were initialized with one: parallel.initialize(virtual_pipeline=...)),
+    # each in its own DDP; only the first chunk's buffers are bucketed, as Megatron-LM's get_model.
+    models, ddp_models = [], []
+    for index, vp_stage in enumerate(range(virtual) if virtual else [None]):
+        model = build_gpt_model(model_config, config, spec, vp_stage=vp_stage)
+        initialize_layout_independent(model, model_config.vocab, seed)
+        if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:
+            sketch_embeddings(model, model_config.vocab)
+        models.append(model)
+        ddp_models.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0))
     config.finalize_model_grads_func = finalize_model_grads
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=settings.lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad, bf16=dtype == torch.bfloat16,
         use_distributed_optimizer=settings.distributed)
-    optimizer = build_optimizer(settings.kind, optimizer_config, [ddp_model], logra_config)
+    optimizer = build_optimizer(settings.kind, optimizer_config, ddp_models, logra_config)
     if overlap_grad_reduce:
         # As Megatron-LM's train() does; read after the optimizer is built, whose sketch reduction
-        # extends the chunk's no_sync.
-        config.no_sync_func = ddp_model.no_sync
-    return model, ddp_model, optimizer
+        # extends each chunk's no_sync.
+        no_sync = [chunk.no_sync for chunk in ddp_models]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if virtual:
+        return models, ddp_models, optimizer
+    return models[0], ddp_models[0], optimizer
 
 
 def train_step(ddp_model, optimizer: TrainingOptimizer, run_forward_backward):
@@ -71,7 +82,8 @@ def train_step(ddp_model, optimizer: TrainingOptimizer, run_forward_backward):
 
     ``run_forward_backward(ddp_model)`` returns the loss. Returns ``(loss, grad_norm)``.
     """
-    ddp_model.zero_grad_buffer()
+    for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = run_forward_backward(ddp_model)
     _, grad_norm, _ = optimizer.step()
