@@ -19,10 +19,10 @@ from logra_megatron.models.positions import pack_rows
 from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
 from logra_megatron.rl.losses import PolicyLossConfig
 from logra_megatron.rl.packing import default_token_budget, token_bins
-from logra_megatron.rollout.types import Rollouts
 from logra_megatron.training.config import OptimizerSettings
 from logra_megatron.training.lm import packed_forward, padded_forward
 from logra_megatron.training.setup import build_trainable
+from workers.ragged_rollouts import ragged_rollouts as shared_ragged_rollouts
 
 MODEL = get_preset("tiny")
 TOL = 1e-5
@@ -30,18 +30,7 @@ TOL = 1e-5
 
 def ragged_rollouts(prompt_lengths, response_lengths, seed=0):
     """Left-padded prompts, right-padded responses, as the engines lay them out."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts, responses = torch.tensor(prompt_lengths), torch.tensor(response_lengths)
-    rows, width = len(prompt_lengths), int(prompts.max())
-    columns = torch.arange(width + int(responses.max()))
-    attention = (columns >= width - prompts[:, None]) & (columns < width + responses[:, None])
-    response = (columns >= width) & attention
-    tokens = torch.randint(1, MODEL.vocab, (rows, columns.numel()), generator=generator)
-    tokens = torch.where(attention, tokens, torch.zeros_like(tokens))
-    positions = (columns - (width - prompts[:, None])).clamp(min=0)
-    return Rollouts(tokens=tokens, attention_mask=attention, response_mask=response, position_ids=positions,
-                    prompt_lengths=prompts, response_lengths=responses, finished=torch.ones(rows, dtype=torch.bool),
-                    prompt_index=torch.arange(rows), prompt_width=width, steps=int(responses.max()))
+    return shared_ragged_rollouts(prompt_lengths, response_lengths, MODEL.vocab, seed)
 
 
 # one long row, many short ones, a row of a single token (a 1-token prompt, no response)

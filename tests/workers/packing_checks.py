@@ -8,13 +8,13 @@ remainder. Each check returns the largest differences and the scales they compar
 
 import torch
 from common import Checks
+from ragged_rollouts import ragged_rollouts as shared_ragged_rollouts
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.models import get_preset
 from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
 from logra_megatron.rl.losses import PolicyLossConfig
-from logra_megatron.rollout.types import Rollouts
 from logra_megatron.training.config import OptimizerSettings
 from logra_megatron.training.setup import build_trainable
 
@@ -24,18 +24,8 @@ RESPONSES = [40, 3, 2, 0, 5, 1, 4, 2, 6, 3]
 
 
 def ragged_rollouts():
-    generator = torch.Generator().manual_seed(0)
-    prompts, responses = torch.tensor(PROMPTS), torch.tensor(RESPONSES)
-    rows, width = len(PROMPTS), int(prompts.max())  # 10 rows: padded microbatches of 2 (the pipeline sends one shape)
-    columns = torch.arange(width + int(responses.max()))
-    attention = (columns >= width - prompts[:, None]) & (columns < width + responses[:, None])
-    response = (columns >= width) & attention
-    tokens = torch.randint(1, MODEL.vocab, (rows, columns.numel()), generator=generator)
-    tokens = torch.where(attention, tokens, torch.zeros_like(tokens))
-    positions = (columns - (width - prompts[:, None])).clamp(min=0)
-    return Rollouts(tokens=tokens, attention_mask=attention, response_mask=response, position_ids=positions,
-                    prompt_lengths=prompts, response_lengths=responses, finished=torch.ones(rows, dtype=torch.bool),
-                    prompt_index=torch.arange(rows), prompt_width=width, steps=int(responses.max()))
+    # 10 rows: padded microbatches of 2 (the pipeline sends one shape)
+    return shared_ragged_rollouts(PROMPTS, RESPONSES, MODEL.vocab)
 
 
 def one_side(tp, pp, kind, pack):
