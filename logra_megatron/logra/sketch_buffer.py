@@ -151,14 +151,14 @@ class SketchBuffer:
         False (nothing changed) where it cannot help: one DP replica, or ZeRO-1 slices."""
         if self.dp == 1 or self.zero1:
             return False
-        self.overlap = OverlappedSketchReduction(self, parallel.dp_group(), bucket_numel or DEFAULT_BUCKET_NUMEL)
         sites = {}
         for model in self._models:
             for module in model.modules():
                 sketch = getattr(module, "logra_sketch", None)
                 if sketch is not None:
                     sites[id(sketch)] = sites.get(id(sketch), 0) + 1
-        self.overlap.expect_sites(sites)
+        self.overlap = OverlappedSketchReduction(self, parallel.dp_group(), sites,
+                                                 bucket_numel or DEFAULT_BUCKET_NUMEL)
         return True
 
     @property

@@ -32,14 +32,17 @@ DEFAULT_BUCKET_NUMEL = 40_000_000
 
 
 class OverlappedSketchReduction:
-    """Buckets of ``buffer.flat`` whose DP all-reduces start as soon as their sketches are final."""
+    """Buckets of ``buffer.flat`` whose DP all-reduces start as soon as their sketches are final.
+    ``sites``: how many backward sites add to each sketch per microbatch (``id(sketch) -> count``;
+    1 where absent): a tied output layer and the embedding lookup on one stage both add to the
+    embedding's."""
 
-    def __init__(self, buffer, group, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    def __init__(self, buffer, group, sites: Dict[int, int], bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.buffer = buffer
         self.group = group
         self.buckets: List[dict] = []
         self._bucket_of: Dict[int, int] = {}
-        self._sites: Dict[int, int] = {}
+        self._sites = dict(sites)
         # Whole weights per bucket, in buffer order (the backward fills the last one first).
         current = None
         for entry in buffer.weights:
@@ -53,11 +56,6 @@ class OverlappedSketchReduction:
         self.buckets[-1]["end"] = buffer.flat.numel()  # padding, if any, rides with the last bucket
         self._no_sync_depth = 0
         self.reset()
-
-    def expect_sites(self, sites: Dict[int, int]) -> None:
-        """How many backward sites add to each sketch per microbatch (``id(sketch) -> count``): a
-        tied output layer and the embedding lookup on one stage both add to the embedding's."""
-        self._sites = dict(sites)
 
     def reset(self) -> None:
         """A new step: no reports, no reduction in flight."""
