@@ -1,8 +1,11 @@
 """Checkpoints through Megatron's ``dist_checkpointing``: save at one TP/PP, load at another.
 
 A checkpoint directory holds the sharded tensors (torch_dist format) and ``model_config.json``
-(our :class:`ModelConfig`), so a loader can build the right model before reading weights.
-Optimizer and trainer state are added to the same sharded state dict by their owners.
+(our :class:`ModelConfig`), so a loader can build the right model before reading weights, and in
+its common state Megatron-LM's ``args`` (``checkpoint_args.py``), so Megatron-LM reads it too. A
+directory Megatron-LM wrote (``args``, no ``model_config.json``) loads the same way: its model
+is the one its args describe. Optimizer and trainer state are added to the same sharded state
+dict by their owners.
 """
 
 import json
@@ -11,6 +14,8 @@ import queue
 
 import torch.distributed as dist
 
+from logra_megatron.checkpoint_args import (CHECKPOINT_VERSION, common_state_strategy, model_config_from_args,
+                                             read_checkpoint_args)
 from logra_megatron.errors import UserError
 from logra_megatron.models import ModelConfig
 from logra_megatron.platform.parent_death import forks_die_with_this_process
@@ -27,24 +32,39 @@ def save_model_config(model_config: ModelConfig, directory: str) -> None:
 
 
 def load_model_config(directory: str) -> ModelConfig:
-    """Read a checkpoint's ``model_config.json``; a clear error if the checkpoint is missing."""
+    """A checkpoint's architecture: its ``model_config.json``, else (a checkpoint Megatron-LM
+    wrote) the one its ``args`` describe; a clear error if the checkpoint is missing."""
     check_checkpoint_dir(directory)
-    with open(os.path.join(directory, MODEL_CONFIG_FILE)) as handle:
+    path = os.path.join(directory, MODEL_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return model_config_from_args(read_checkpoint_args(directory), directory)
+    with open(path) as handle:
         return ModelConfig.from_dict(json.load(handle))
 
 
 def check_checkpoint_dir(directory: str) -> None:
-    """Raise a :class:`UserError` unless ``directory`` looks like one of our checkpoints."""
+    """Raise a :class:`UserError` unless ``directory`` is one of our checkpoints or Megatron-LM's."""
     if not os.path.isdir(directory):
         raise UserError(f"checkpoint directory not found: {directory}")
-    if not os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE)):
-        raise UserError(f"{directory} is not a logra_megatron checkpoint (no {MODEL_CONFIG_FILE})")
+    if not is_checkpoint_dir(directory):
+        raise UserError(f"{directory} is not a checkpoint: no {MODEL_CONFIG_FILE} (ours) and no Megatron-LM args "
+                        "in a torch_dist common state")
 
 
-def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_sharded: dict = None) -> None:
+def is_checkpoint_dir(directory: str) -> bool:
+    """``directory`` holds one checkpoint: ours (``model_config.json``) or Megatron-LM's (its
+    ``args`` in the common state)."""
+    return (os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE))
+            or read_checkpoint_args(directory) is not None)
+
+
+def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_sharded: dict = None,
+                    megatron_args=None) -> None:
     """Save ``model`` (one rank's shard, collective over all ranks) and its config.
 
-    ``extra_sharded`` is merged into the sharded state dict (optimizer, trainer state).
+    ``extra_sharded`` is merged into the sharded state dict (optimizer, trainer state);
+    ``megatron_args`` (``checkpoint_args.megatron_lm_args``) goes into the common state as
+    Megatron-LM keeps it, with its ``iteration`` and the checkpoint version.
     """
     from megatron.core import dist_checkpointing  # not at the top: the config schema reads model_config.json
 
@@ -55,6 +75,8 @@ def save_checkpoint(directory: str, model, model_config: ModelConfig, extra_shar
     state = {"model": model.sharded_state_dict()}
     if extra_sharded:
         state.update(extra_sharded)
+    if megatron_args is not None:
+        state.update(args=megatron_args, iteration=megatron_args.iteration, checkpoint_version=CHECKPOINT_VERSION)
     # Megatron forks a writer per file bucket; killed mid-save, the trainer takes them along
     # (platform/parent_death.py says why they would otherwise outlive it).
     with forks_die_with_this_process():
@@ -86,6 +108,6 @@ def load_checkpoint(directory: str, model, extra_sharded: dict = None) -> dict:
     request = {"model": model.sharded_state_dict()}
     if extra_sharded:
         request.update(extra_sharded)
-    loaded = dist_checkpointing.load(request, directory)
+    loaded = dist_checkpointing.load(request, directory, common_strategy=common_state_strategy())
     model.load_state_dict(loaded["model"], strict=True)
     return loaded

@@ -16,6 +16,10 @@ either the previous complete iterations or the new one, never a half-written dir
 final name. Loading does not trust the tracker: it scans the complete iterations newest first and
 checks each against its manifest (a missing or truncated file fails the check), skipping those
 that fail with a warning. ``--keep-checkpoints N`` removes all but the newest N complete ones.
+
+A save root Megatron-LM wrote has the same names without our manifest: one of its iterations is
+complete when dist_checkpointing's ``.metadata`` (written after every shard) is there; its
+``release/`` directory (tracker ``release``) is a single checkpoint.
 """
 
 import json
@@ -24,7 +28,7 @@ import re
 import shutil
 from typing import Callable, List, Optional, Tuple
 
-from logra_megatron.checkpoint import MODEL_CONFIG_FILE
+from logra_megatron.checkpoint import MODEL_CONFIG_FILE, is_checkpoint_dir
 from logra_megatron.errors import UserError
 
 ITERATION_PREFIX = "iter_"
@@ -32,6 +36,8 @@ ITERATION_DIGITS = 7  # Megatron's iter_0000100
 PARTIAL_SUFFIX = ".partial"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
+RELEASE_DIR = "release"  # Megatron-LM's name for a checkpoint outside the iteration sequence
+DIST_METADATA_FILE = ".metadata"  # written by dist_checkpointing once every shard is written
 _ITERATION_NAME = re.compile(rf"^{ITERATION_PREFIX}(\d{{{ITERATION_DIGITS}}})$")
 
 
@@ -74,6 +80,10 @@ def incomplete_reason(directory: str) -> Optional[str]:
         with open(path) as handle:
             sizes = json.load(handle)["files"]
     except FileNotFoundError:
+        if _written_by_megatron_lm(directory):
+            if os.path.isfile(os.path.join(directory, DIST_METADATA_FILE)):
+                return None
+            return f"no {DIST_METADATA_FILE} (Megatron-LM's save did not finish)"
         return f"no {MANIFEST_FILE} (the save did not finish)"
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST_FILE} is unreadable"
@@ -85,6 +95,11 @@ def incomplete_reason(directory: str) -> Optional[str]:
         if actual != size:
             return f"{name} has {actual} bytes, {size} were written"
     return None
+
+
+def _written_by_megatron_lm(directory: str) -> bool:
+    """Megatron-LM's iteration directory: its args, none of our files."""
+    return not os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE)) and is_checkpoint_dir(directory)
 
 
 def iterations(root: str) -> List[Tuple[int, str]]:
@@ -104,7 +119,8 @@ def select_checkpoint(root: str, iteration: Optional[int] = None,
     """The checkpoint ``--load root [--ckpt-step iteration]`` means: ``(iteration, directory)``.
 
     ``root`` may also be a single checkpoint directory (e.g. one written by
-    tools/convert_hf_to_mcore.py): ``(None, root)``. Without ``iteration``, the newest complete
+    tools/convert_hf_to_mcore.py, or one iteration of Megatron-LM's): ``(None, root)``; or a
+    Megatron-LM root whose tracker says ``release``: ``(None, root/release)``. Without ``iteration``, the newest complete
     iteration; incomplete or corrupt ones are skipped with a warning naming them. None when
     ``root`` holds no checkpoint at all.
     """
@@ -112,8 +128,11 @@ def select_checkpoint(root: str, iteration: Optional[int] = None,
     if not found:
         if iteration is not None:
             raise UserError(f"--ckpt-step {iteration}: {root} holds no iteration checkpoints")
-        if os.path.isfile(os.path.join(root, MODEL_CONFIG_FILE)):
+        if is_checkpoint_dir(root):
             return None, root
+        release = os.path.join(root, RELEASE_DIR)
+        if os.path.isdir(release) and is_checkpoint_dir(release):
+            return None, release
         return None
     if iteration is not None:
         chosen = dict(found).get(iteration)

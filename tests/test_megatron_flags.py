@@ -12,6 +12,7 @@ import types
 
 import pytest
 from dist_harness import REPO
+from local_tokenizers import hf_tokenizer_folder
 
 from logra_megatron.checkpoint import save_model_config
 from logra_megatron.config import build_parser, parse_train_args
@@ -317,26 +318,8 @@ def test_every_launch_script_picks_its_python_in_one_place():
 
 # --- tokenizers (issue 34, item 8): Megatron-LM's HuggingFaceTokenizer with a local folder.
 
-def _hf_folder(directory, vocab_size=120):
-    """A local tokenizer folder as save_pretrained leaves it: tokenizer.json (a character BPE over
-    printable ASCII, trained here) and tokenizer_config.json naming its end-of-sequence token."""
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.decoder = decoders.Fuse()  # pieces joined as they are (no spaces between them)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<unk>", "<pad>"],
-                                  initial_alphabet=list(string.printable))
-    tokenizer.train_from_iterator([f"{a}+{b}={a + b}" for a in range(150) for b in range(0, 150, 7)], trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return directory
-
-
 def test_huggingface_tokenizer_from_a_local_folder_as_megatron_names_it(tmp_path):
-    folder = _hf_folder(tmp_path / "tokenizer")
+    folder = hf_tokenizer_folder(tmp_path / "tokenizer")
     config = parse_train_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder)],
                               world_size=1)
     from logra_megatron.rl.tokenizers import build_run_tokenizer
@@ -347,7 +330,7 @@ def test_huggingface_tokenizer_from_a_local_folder_as_megatron_names_it(tmp_path
     # A fresh tiny model gets as many embedding rows as the tokenizer has ids (Megatron sizes a
     # fresh model's vocabulary from its tokenizer), also beyond the preset's 256.
     assert config.model_config.vocab == tokenizer.vocab_size
-    wide = _hf_folder(tmp_path / "wide", vocab_size=400)
+    wide = hf_tokenizer_folder(tmp_path / "wide", vocab_size=400)
     config = parse_train_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(wide)],
                               world_size=1)
     assert config.model_config.vocab > 256

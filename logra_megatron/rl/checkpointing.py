@@ -49,8 +49,9 @@ def _optimizer_sharded(model, optimizer, is_loading=False):
 
 
 def save_training_state(root: str, model, optimizer, model_config, state: dict, compatibility: dict,
-                        keep: int = 0, tokenizer_dir: Optional[str] = None) -> None:
-    """Save iteration ``state["step"]`` under ``root`` (collective over all ranks)."""
+                        keep: int = 0, tokenizer_dir: Optional[str] = None, megatron_args=None) -> None:
+    """Save iteration ``state["step"]`` under ``root`` (collective over all ranks);
+    ``megatron_args``: Megatron-LM's args for the common state (``checkpoint_args.py``)."""
     first = dist.get_rank() == 0
     if first:
         os.makedirs(root, exist_ok=True)
@@ -58,7 +59,8 @@ def save_training_state(root: str, model, optimizer, model_config, state: dict, 
     dist.barrier()
     directory = partial_dir(root, state["step"])
     kill_point("save:start")
-    save_checkpoint(directory, model, model_config, extra_sharded={"optimizer": _optimizer_sharded(model, optimizer)})
+    save_checkpoint(directory, model, model_config, extra_sharded={"optimizer": _optimizer_sharded(model, optimizer)},
+                    megatron_args=megatron_args)
     kill_point("save:tensors")
     if first:
         if tokenizer_dir and os.path.isdir(tokenizer_dir):

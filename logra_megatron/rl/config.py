@@ -144,8 +144,8 @@ parse_ckpt_format.__name__ = "checkpoint format"
 @dataclass(frozen=True)
 class ModelSourceConfig:
     """Which model and tokenizer: a preset (fresh weights), or the checkpoint given by ``--load``
-    (its ``model_config.json`` decides the architecture; a converted Hugging Face checkpoint
-    also carries its tokenizer)."""
+    (its ``model_config.json`` decides the architecture, or in one Megatron-LM wrote its args; a
+    converted Hugging Face checkpoint also carries its tokenizer, Megatron-LM's args name theirs)."""
 
     preset: str = option("tiny", help="model preset when not loading a checkpoint: " + ", ".join(PRESETS))
     tokenizer_type: Optional[str] = option(None, choices=SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES,
@@ -204,7 +204,8 @@ class CheckpointConfig:
                               help="checkpoint format: torch_dist (Megatron-Core dist_checkpointing, the only one)")
     use_checkpoint_args: bool = option(
         False, help="accepted for Megatron command lines: with --load the model's architecture is always the "
-                    "checkpoint's (its model_config.json), whether or not this is given")
+                    "checkpoint's (its model_config.json, or for a checkpoint Megatron-LM wrote the args in its "
+                    "common state), whether or not this is given")
     load_optim: bool = option(True, flag="--no-load-optim", negative=True,
                               help="with --load: the weights (and trainer state) only, fresh optimizer and KL "
                                    "controller state (e.g. a dense run's checkpoint into a LoGRA run)")
@@ -604,7 +605,7 @@ def _read_model_config(directory: str) -> ModelConfig:
     the model is built)."""
     path = os.path.join(directory, MODEL_CONFIG_FILE)
     if not os.path.isfile(path):
-        return load_model_config(directory)  # says what is missing
+        return load_model_config(directory)  # Megatron-LM's args (checkpoint_args.py), or says what is missing
     try:
         with open(path, "rb") as handle:
             values = json.loads(handle.read().decode("utf-8"))

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from logra_megatron import parallel
+from logra_megatron.checkpoint_args import megatron_lm_args
 from logra_megatron.checkpoint_layout import iteration_dir
 from logra_megatron.errors import UserError
 from logra_megatron.faults import kill_point, nan_point
@@ -29,7 +30,7 @@ from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
-from logra_megatron.rl.checkpointing import (TOKENIZER_DIR, load_training_state, optimizer_compatibility,
+from logra_megatron.rl.checkpointing import (load_training_state, optimizer_compatibility,
                                              save_training_state)
 from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, widened_heads_line
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
@@ -39,10 +40,11 @@ from logra_megatron.rl.metrics import MetricsLogger
 from logra_megatron.rl.minibatches import combine_steps, kept_rows, select_rows, split_minibatches, tied_groups
 from logra_megatron.rl.reward_runner import RewardRunner
 from logra_megatron.rl.rewards import get_reward
+from logra_megatron.tokenizer import HUGGINGFACE_TYPES
 from logra_megatron.rl.preemption import ExitSignalHandler
 from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
 from logra_megatron.rl.tasks import TaskSource, build_task_source
-from logra_megatron.rl.tokenizers import build_run_tokenizer
+from logra_megatron.rl.tokenizers import build_run_tokenizer, run_tokenizer_files
 from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward
@@ -451,10 +453,16 @@ def preemption_line(run: Run, signal_name: str) -> str:
 def save(run: Run) -> None:
     config = run.config
     run.state.controller = run.controller.state_dict()
+    kind, path = run_tokenizer_files(config.model, config.load_dir)
+    args = megatron_lm_args(config.model_config, config.parallel.tensor_model_parallel_size,
+                            config.parallel.pipeline_model_parallel_size, iteration=run.state.step,
+                            bf16=config.model.bf16, tokenizer_type=kind, tokenizer_model=path,
+                            seq_length=config.rollout.seq_length)
     save_training_state(config.checkpoint.save, run.model, run.optimizer, config.model_config,
                         dataclasses.asdict(run.state), optimizer_compatibility(config),
-                        keep=config.checkpoint.keep_checkpoints,
-                        tokenizer_dir=os.path.join(config.load_dir, TOKENIZER_DIR) if config.load_dir else None)
+                        keep=config.checkpoint.keep_checkpoints, megatron_args=args,
+                        # a Hugging Face tokenizer folder travels with the checkpoint: a resume needs no flag
+                        tokenizer_dir=path if kind in HUGGINGFACE_TYPES and os.path.isdir(path) else None)
 
 
 def write_summary(run: Run, finished: bool) -> dict:
