@@ -13,6 +13,7 @@ import time
 import torch
 
 from logra_megatron.checkpoint import check_checkpoint_dir, load_model_config
+from logra_megatron.checkpoint_layout import select_checkpoint
 from logra_megatron.cli import ArgumentParser
 from logra_megatron.errors import UserError, exit_on_user_error
 from logra_megatron.layout import ParallelLayout
@@ -84,7 +85,11 @@ def parse_args(argv=None):
 def validate(args, world_size: int):
     """Everything that can be checked before a process group starts."""
     if args.load:
-        check_checkpoint_dir(args.load)
+        # A --save root (ours or Megatron-LM's: its newest complete iteration) or one checkpoint.
+        chosen = select_checkpoint(args.load) if os.path.isdir(args.load) else None
+        if chosen is None:
+            check_checkpoint_dir(args.load)  # says what is missing
+        args.load = chosen[1]
         model_config = load_model_config(args.load)
     else:
         model_config = get_preset(args.preset)

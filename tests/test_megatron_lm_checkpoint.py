@@ -16,6 +16,7 @@ import torch
 from dist_harness import REPO, result, run_workers
 from local_tokenizers import hf_tokenizer_folder
 
+from logra_megatron.checkpoint import load_model_config
 from logra_megatron.checkpoint_args import megatron_lm_args, model_config_from_args, read_checkpoint_args
 from logra_megatron.checkpoint_layout import TRACKER_FILE, iteration_dir
 from logra_megatron.models import PRESETS
@@ -73,6 +74,17 @@ def test_the_trainer_starts_from_it_by_load_alone_and_saves_megatron_lm_args(wri
     assert (args.iteration, args.tensor_model_parallel_size, args.tokenizer_type) == (1, 1, "HuggingFaceTokenizer")
     # The tokenizer travels with the checkpoint, so resuming from it needs no flag either.
     assert (save / "iter_0000001" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_the_smoke_job_loads_the_save_root_too(written):
+    proc = subprocess.run(
+        [sys.executable, "-m", "logra_megatron.smoke", "--load", str(written["root"]), "--train-iters", "1",
+         "--seq-length", "16", "--global-batch-size", "2", "--micro-batch-size", "2"],
+        capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    loaded = load_model_config(os.path.join(written["root"], "iter_0000007"))
+    assert loaded != PRESETS["tiny"] and f"params={loaded.num_parameters():,}" in proc.stdout, proc.stdout[-2000:]
+    assert "step 1/1 loss" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
