@@ -8,6 +8,7 @@ and the core attention (:class:`~logra_megatron.models.sdpa_attention.SDPAttenti
 attends across one, so no row sees another and no padding is computed."""
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,6 +99,16 @@ class PackedRows:
     """n: real tokens; the ``t - n`` after them are filler."""
     predicts: torch.Tensor
     """[n] bool: the real packed tokens followed by one of their own row (all but each row's last)."""
+
+    def to(self, device) -> "PackedRows":
+        """The same rows on ``device`` (self when they are there already)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        params = dataclasses.replace(self.params, cu_seqlens_q=self.params.cu_seqlens_q.to(device),
+                                     cu_seqlens_kv=self.params.cu_seqlens_kv.to(device))
+        return dataclasses.replace(self, tokens=self.tokens.to(device), position_ids=self.position_ids.to(device),
+                                   params=params, rows=self.rows.to(device), slots=self.slots.to(device),
+                                   predicts=self.predicts.to(device))
 
     def next_tokens(self) -> torch.Tensor:
         """[1, t]: the token each position predicts (the next packed token; meaningless at a row's

@@ -234,22 +234,40 @@ def probe_rows(rollouts: Rollouts, count: int, offset: float = 0.0) -> torch.Ten
     return torch.div(spread, count, rounding_mode="floor").long()
 
 
-def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, vocab_size: Optional[int]) -> ProbeSet:
+def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, vocab_size: Optional[int],
+              pack: bool = False, max_tokens: int = 0) -> ProbeSet:
     """The KL controller's view of some rollouts: their own padding mask and positions, and
-    the response positions (position t predicts token t + 1) as the tokens that count."""
+    the response positions (position t predicts token t + 1) as the tokens that count. With
+    ``pack`` the rows are bin-packed as the GRPO passes pack them (at most ``max_tokens`` real
+    tokens a part; 0: ``micro_batch_size`` rows' worth), so the probe's forward passes compute
+    no padding."""
     mask = torch.zeros(len(rows), rollouts.tokens.shape[1], device=rollouts.tokens.device)
     mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
-    return ProbeSet(tokens=rollouts.tokens[rows], mask=mask, attention_mask=rollouts.attention_mask[rows],
+    micro_batch_size = max(1, min(micro_batch_size, len(rows)))
+    tokens, attention_mask = rollouts.tokens[rows], rollouts.attention_mask[rows]
+    packed = None
+    if pack:
+        budget = max_tokens or default_token_budget(micro_batch_size, tokens.shape[1])
+        packed = []
+        for part in token_bins(attention_mask.sum(dim=1).tolist(), budget):
+            index = torch.tensor(part, dtype=torch.long, device=tokens.device)
+            rows_packed = pack_rows(tokens[index], attention_mask[index])
+            part_mask = torch.zeros_like(rows_packed.tokens, dtype=mask.dtype)
+            real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
+            part_mask[0, :rows_packed.real_tokens] = real
+            packed.append((rows_packed, part_mask))
+    return ProbeSet(tokens=tokens, mask=mask, attention_mask=attention_mask,
                     position_ids=rollouts.position_ids[rows], vocab_size=vocab_size,
-                    micro_batch_size=max(1, min(micro_batch_size, len(rows))))
+                    micro_batch_size=micro_batch_size, packed=packed)
 
 
-def probe_and_held_out(rollouts: Rollouts, count: int, micro_batch_size: int,
-                       vocab_size: Optional[int]) -> Tuple[ProbeSet, Optional[ProbeSet]]:
+def probe_and_held_out(rollouts: Rollouts, count: int, micro_batch_size: int, vocab_size: Optional[int],
+                       pack: bool = False, max_tokens: int = 0) -> Tuple[ProbeSet, Optional[ProbeSet]]:
     """The probe (``count`` rows spread over the batch's prompts) and as many other rows, half a
-    spacing further, for the realized KL out of sample (None when the batch has no room)."""
+    spacing further, for the realized KL out of sample (None when the batch has no room);
+    ``pack``, ``max_tokens``: as :func:`probe_set` takes them."""
     probe = probe_rows(rollouts, count)
     held_out = probe_rows(rollouts, count, offset=0.5)
     held_out = held_out[~torch.isin(held_out, probe)]
-    return (probe_set(rollouts, probe, micro_batch_size, vocab_size),
-            probe_set(rollouts, held_out, micro_batch_size, vocab_size) if len(held_out) else None)
+    return (probe_set(rollouts, probe, micro_batch_size, vocab_size, pack, max_tokens),
+            probe_set(rollouts, held_out, micro_batch_size, vocab_size, pack, max_tokens) if len(held_out) else None)

@@ -382,7 +382,8 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
     if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
         # The KL probe: completions spread over the minibatch's prompts, and rows it does not
         # see for the realized KL out of sample.
-        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab)
+        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab,
+                                             **packing_options(config))
         control = run.controller.step(ddp, run.optimizer, probe, held_out)
     else:  # a non-finite loss: no step (the gradients are cleared before the next backward)
         control = dict(SKIPPED_STEP)

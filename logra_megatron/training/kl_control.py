@@ -9,7 +9,8 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    few sequences of the current batch), without a copy of the weights:
    ``optimizer.preview(s)`` makes forward passes see ``W + s D`` (LoGRA: a side path of two
    thin matmuls inside each sketching layer; the small dense remainder set in place from its
-   fp32 masters), and the probe rows go through the model one microbatch at a time.
+   fp32 masters), and the probe rows go through the model one microbatch at a time (packed
+   into token-budget sequences as the GRPO passes are: ``ProbeSet.packed``).
    - ``probe``: the exact KL at ``W + D``. The ``s = 0`` logits are computed once per step
      (:meth:`PredictedKLController.base_logits`: the probe's masked positions only, in the
      logits' dtype) and reused by the forecast, every refinement and the realized KL when it
@@ -61,7 +62,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.ops.vocab_parallel import masked_half_variance_sum, masked_kl_sum
 from logra_megatron.platform.phases import phase
 from logra_megatron.training.config import KLControlConfig
-from logra_megatron.training.lm import forward_logits
+from logra_megatron.training.lm import forward_logits, forward_packed_logits
 from logra_megatron.training.optimizer import TrainingOptimizer
 
 BF16_LINEAR_EPSILON = 1.0
@@ -96,7 +97,9 @@ class ProbeSet:
     """Rows on which a KL is measured: ``tokens`` ``[n, s]`` and ``mask`` ``[n, s]`` (1 where
     position ``t``'s next-token distribution counts). Left-padded rows (rollouts) carry their
     ``attention_mask`` and ``position_ids``; ``vocab_size`` masks Megatron's vocabulary
-    padding. ``micro_batch_size`` rows go through the model at a time."""
+    padding. ``micro_batch_size`` rows go through the model at a time, or with ``packed`` the
+    rows' real tokens only: each part one packed sequence (``models/positions.py: PackedRows``)
+    with its mask in the packed layout ``[1, t]``, so no padding token is computed."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
@@ -104,13 +107,24 @@ class ProbeSet:
     position_ids: Optional[torch.Tensor] = None
     vocab_size: Optional[int] = None
     micro_batch_size: int = 1
+    packed: Optional[list] = None
+    """``[(PackedRows, mask [1, t])]``: the parts as packed sequences (``rl/grpo.py: probe_set``)."""
 
     def parts(self):
+        if self.packed is not None:
+            return list(range(len(self.packed)))
         rows = self.tokens.shape[0]
         return [slice(start, start + self.micro_batch_size) for start in range(0, rows, self.micro_batch_size)]
 
-    def logits(self, model, part: slice):
-        """Vocab-parallel logits of rows ``part`` on the last stage (None elsewhere)."""
+    def part_mask(self, part) -> torch.Tensor:
+        """The mask of ``part`` in the layout of its logits."""
+        return self.mask[part] if self.packed is None else self.packed[part][1]
+
+    def logits(self, model, part):
+        """Vocab-parallel logits of ``part`` on the last stage (None elsewhere): ``[rows, s, V/tp]``,
+        or ``[1, t, V/tp]`` for a packed part."""
+        if self.packed is not None:
+            return forward_packed_logits(model, self.packed[part][0], vocab_size=self.vocab_size)
         padded = self.attention_mask is not None
         return forward_logits(model, self.tokens[part], attention_mask=self.attention_mask[part] if padded else None,
                               position_ids=self.position_ids[part] if padded else None,
@@ -209,7 +223,7 @@ class PredictedKLController:
                 cached.append(None)
                 continue
             vocab = logits.shape[-1]
-            keep = (probe.mask[part].to(logits.device) != 0).reshape(-1)
+            keep = (probe.part_mask(part).to(logits.device) != 0).reshape(-1)
             cached.append((logits.reshape(-1, vocab)[keep], keep, logits.shape))
             del logits
         return cached
@@ -242,7 +256,7 @@ class PredictedKLController:
             if base is not None:
                 old = None if base[index] is None else self._restore(base[index])
             if parallel.is_last_stage():
-                total += masked_kl_sum(old, new, probe.mask[part].to(old.device))
+                total += masked_kl_sum(old, new, probe.part_mask(part).to(old.device))
             del old, new
         optimizer.preview(0.0)
         return self._mean(total, probe)
@@ -260,7 +274,7 @@ class PredictedKLController:
             optimizer.preview(epsilon)
             new = probe.logits(model, part)
             if parallel.is_last_stage():  # delta = (new - old) / epsilon, taken chunk by chunk
-                total += masked_half_variance_sum(old, new, epsilon, probe.mask[part].to(old.device))
+                total += masked_half_variance_sum(old, new, epsilon, probe.part_mask(part).to(old.device))
         optimizer.preview(0.0)
         return self._mean(total, probe)
 

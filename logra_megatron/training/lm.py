@@ -107,6 +107,23 @@ def packed_forward(model, packed: PackedRows, vocab_size: int = None) -> torch.T
 
 
 @torch.no_grad()
+def forward_packed_logits(model, packed: PackedRows, vocab_size: int = None):
+    """Vocab-parallel logits ``[1, t, V/tp]`` of one packed sequence through the pipeline
+    schedule (forward only) on the last stage; ``None`` on other stages."""
+
+    packed = packed.to(model_device(model))
+
+    def forward_step(data_iterator, model):
+        output = packed_forward(model, next(data_iterator), vocab_size)
+        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([packed]), model=[model], num_microbatches=1,
+        seq_length=packed.tokens.shape[1], micro_batch_size=1, forward_only=True)
+    return outputs[0]["logits"] if parallel.is_last_stage() else None
+
+
+@torch.no_grad()
 def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, attention_mask: torch.Tensor = None,
                    position_ids: torch.Tensor = None, vocab_size: int = None):
     """Vocab-parallel logits ``[batch, seq, V/tp]`` of ``tokens`` through the pipeline schedule

@@ -9,6 +9,8 @@ microbatch of exactly one sequence. Changing one packed row's tokens leaves the 
 unchanged. The bin packing uses every row once.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -164,6 +166,37 @@ def test_packed_logra_sketches_match_padded(rollouts):
         assert (dense_b - dense_a).abs().max() < TOL * max(1.0, float(dense_a.abs().max()))
 
 
+# --- the KL controller's probe --------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0, 16])
+def test_the_kl_probe_packed_forecasts_what_the_padded_one_does(rollouts, budget):
+    """The controller's forecasts (probe mode with its cached s = 0 logits, a scaled refinement,
+    the linear mode) on packed probe rows equal those on padded rows, computing only real tokens."""
+    from logra_megatron.rl.grpo import probe_and_held_out
+    from logra_megatron.training.config import KLControlConfig
+    from logra_megatron.training.kl_control import PredictedKLController
+
+    _, _, ddp, optimizer = _loss_and_grads(rollouts, True, 24, "token-mean", kind="logra", logra=LogRAConfig(rank=8))
+    optimizer.propose()
+    controller = PredictedKLController(KLControlConfig(mode="probe"))
+    forecasts = []
+    for pack in (False, True):
+        probe, held_out = probe_and_held_out(rollouts, 6, 2, MODEL.vocab, pack=pack, max_tokens=budget)
+        base = controller.base_logits(ddp, optimizer, probe)
+        forecasts.append([controller.kl(ddp, optimizer, probe, 1.0, base), controller.kl(ddp, optimizer, probe, 0.3),
+                          controller.kl(ddp, optimizer, held_out, 1.0), controller.linear_kl(ddp, optimizer, probe)])
+        if pack:
+            computed = sum(part.tokens.shape[1] for part, _ in probe.packed)
+            assert computed == int(probe.attention_mask.sum()) < probe.tokens.numel()
+            assert sum(float(mask.sum()) for _, mask in probe.packed) == float(probe.mask.sum()) > 0
+    padded, packed = forecasts
+    assert all(value > 0 for value in padded), padded
+    # KL ~ 0.5 E[dz^2] for a logit change dz ~ sqrt(2 KL): logits that agree within TOL move it
+    # by at most ~2 TOL sqrt(2 KL) (measured: 3e-8 at KL 2.8e-5, a 1e-3 share of it).
+    for a, b in zip(padded, packed):
+        assert abs(a - b) < 4 * TOL * math.sqrt(2 * a), (padded, packed)
+
+
 # --- TP=2 and PP=2 (one 2-rank launch, tests/workers/packing_checks.py) ---------------------------
 
 @pytest.fixture(scope="module")
@@ -189,6 +222,16 @@ def test_packed_matches_padded_at_tp2_and_pp2(parallel_results, layout, kind):
             assert check["sketch_numel"] > 0 and check["sketch_scale"] > 0, (rank, check)
         else:
             assert check["dense_numel"] > 0 and check["dense_scale"] > 0, (rank, check)
+
+
+@pytest.mark.parametrize("layout", ["tp2pp1", "tp1pp2"])
+def test_the_packed_kl_probe_matches_padded_at_tp2_and_pp2(parallel_results, layout):
+    from dist_harness import result
+
+    for rank in (0, 1):
+        check = result(parallel_results, f"{layout}/probe", rank)
+        assert check["padded"] > 0, (rank, check)
+        assert abs(check["packed"] - check["padded"]) < 4 * TOL * math.sqrt(2 * check["padded"]), (rank, check)
 
 
 # --- the trainer's flags -----------------------------------------------------------------------

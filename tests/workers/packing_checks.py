@@ -3,7 +3,8 @@
 At each layout the same ragged rollouts (one long row, many short ones, a one-token row) go
 through the padded and the packed passes with the same weights: the old log-probs (agreed over
 the pipeline), the loss, and this rank's dense gradients (Adam) or LoGRA sketches and dense
-remainder. Each check returns the largest differences and the scales they compare against.
+remainder; and the KL controller's forecast on the probe rows packed and padded. Each check
+returns the largest differences and the scales they compare against (or both forecasts).
 """
 
 import torch
@@ -64,11 +65,37 @@ def packed_vs_padded(tp, pp, kind):
             "sketch_diff": gap(3), "sketch_scale": scale(3), "sketch_numel": padded[3].numel()}
 
 
+def probe_packed_vs_padded(tp, pp):
+    """The KL controller's forecast (probe mode, cached s = 0 logits) on padded and on packed
+    probe rows, after one LoGRA proposal."""
+    from logra_megatron.rl.grpo import probe_and_held_out
+    from logra_megatron.training.config import KLControlConfig
+    from logra_megatron.training.kl_control import PredictedKLController
+
+    parallel.initialize(tp, pp, seed=7)
+    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=1e-3), LogRAConfig(rank=8))
+    rollouts = ragged_rollouts()
+    old, _ = sequence_logprobs(ddp, rollouts, 2)
+    advantages = torch.randn(rollouts.num_sequences, generator=torch.Generator().manual_seed(1))
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    policy_loss_backward(ddp, rollouts, advantages, old + 0.2, 2, PolicyLossConfig())
+    optimizer.propose()
+    controller = PredictedKLController(KLControlConfig(mode="probe"))
+    out = {}
+    for pack in (False, True):
+        probe, _ = probe_and_held_out(rollouts, 6, 2, MODEL.vocab, pack=pack, max_tokens=24)
+        out["packed" if pack else "padded"] = controller.kl(ddp, optimizer, probe, 1.0,
+                                                            controller.base_logits(ddp, optimizer, probe))
+    return out
+
+
 def main():
     checks = Checks()
     for tp, pp in ((2, 1), (1, 2)):
         for kind in ("adam", "logra"):
             checks.run(f"tp{tp}pp{pp}/{kind}", packed_vs_padded, tp, pp, kind)
+        checks.run(f"tp{tp}pp{pp}/probe", probe_packed_vs_padded, tp, pp)
     checks.save()
     parallel.destroy()
 
