@@ -46,7 +46,7 @@ case $kind in
     search_seed=${SEARCH_SEED:-7}
     save_interval=${SAVE_INTERVAL:-4}
     models=$out/models
-    # The only pretrained model that installs offline, exported and converted as README.md shows.
+    # The only pretrained model that installs offline, exported and converted as docs/OPTIMIZER.md shows.
     if [ ! -f "$models/smollm2-mc/model_config.json" ]; then
       "$PYTHON" tools/export_smollm2.py --out "$models/smollm2-hf" --dtype fp32
       "$PYTHON" tools/convert_hf_to_mcore.py --hf-dir "$models/smollm2-hf" --save "$models/smollm2-mc"

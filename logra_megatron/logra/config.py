@@ -7,7 +7,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.schema import option
 
 # The default rank: half of each weight's projected dimension, at most 256. Chosen with the memory
-# planner (README, "LoGRA: the optimizer"): the fraction alone gives r = 2560 on qwen2.5-32b, where
+# planner (docs/OPTIMIZER.md, "The default rank"): the fraction alone gives r = 2560 on qwen2.5-32b, where
 # LoGRA then fits no layout of 8 x 80 GB; capped at 256 it fits there, and alone on one 141 GB GPU
 # (bf16-sr); at 512 mistral-small-24b no longer fits one 80 GB GPU. The models whose learning was
 # measured keep (tiny: 32) or nearly keep (smollm2-135m: 288 -> 256) their fractional ranks. The
@@ -47,7 +47,7 @@ class LogRAConfig:
         DEFAULT_MAX_RANK, flag="--logra-max-rank",
         help="the largest rank a fractional --logra-rank gives a weight (0: no cap); an integer "
              "--logra-rank is used as given. The default keeps a 32B model's sketches, moments and "
-             "projections within one GPU's memory (README)")
+             "projections within one GPU's memory (docs/OPTIMIZER.md)")
     refresh_interval: int = option(
         10, flag="--logra-refresh-interval",
         help="refresh every projection every K optimizer steps with a randomized range finder computed "
