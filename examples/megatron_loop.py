@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from logra_megatron import parallel
+from logra_megatron.checkpoint_args import CHECKPOINT_VERSION, common_state_strategy, megatron_lm_args
 from logra_megatron.errors import UserError, exit_on_user_error
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.models import get_preset
@@ -207,11 +208,16 @@ def train_step(args, model, optimizer, scheduler, batches, config):
     return parallel.agree_on_scalar(loss), grad_norm
 
 
-def sharded_state(model, optimizer, scheduler, iteration, is_loading=False):
+def sharded_state(args, model, optimizer, scheduler, iteration, is_loading=False):
     # As Megatron-LM's checkpointing does: the model's own state (through ``.module``, not the DDP
     # wrapper's, whose keys would carry a ``module.`` prefix no other tool expects), one
-    # ``model<i>`` entry per virtual-pipeline chunk.
-    state = {"iteration": iteration, "scheduler": scheduler.state_dict() if scheduler else None}
+    # ``model<i>`` entry per virtual-pipeline chunk, and the run's ``args`` with Megatron-LM's
+    # names (what its --use-checkpoint-args and our trainer's --load read the model from).
+    state = {"iteration": iteration, "scheduler": scheduler.state_dict() if scheduler else None,
+             "checkpoint_version": CHECKPOINT_VERSION,
+             "args": megatron_lm_args(args.model, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                      virtual_pipeline=args.virtual_pipeline, iteration=iteration, bf16=args.bf16,
+                                      seq_length=args.seq_length)}
     if len(model) == 1:
         state["model"] = model[0].module.sharded_state_dict()
     else:
@@ -228,7 +234,7 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration):
 
     directory = os.path.join(args.save, f"iter_{iteration:07d}")
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(sharded_state(model, optimizer, scheduler, iteration), directory)
+    dist_checkpointing.save(sharded_state(args, model, optimizer, scheduler, iteration), directory)
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as handle:
             handle.write(str(iteration))
@@ -245,7 +251,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
     iteration = int(open(tracker).read().strip())
     directory = os.path.join(args.load, f"iter_{iteration:07d}")
     try:
-        loaded = dist_checkpointing.load(sharded_state(model, optimizer, None, iteration, is_loading=True), directory)
+        # Megatron-LM's args are a pickled namespace, which dist_checkpointing's own common-state
+        # reader (weights_only) refuses: ours reads it as Megatron-LM's loader does.
+        loaded = dist_checkpointing.load(sharded_state(args, model, optimizer, None, iteration, is_loading=True),
+                                         directory, common_strategy=common_state_strategy())
         for index, chunk in enumerate(model):
             chunk.module.load_state_dict(loaded["model"] if len(model) == 1 else loaded[f"model{index}"])
         optimizer.load_state_dict(loaded["optimizer"])

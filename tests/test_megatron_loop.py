@@ -3,7 +3,8 @@ as a user runs it (torchrun): LoGRA's losses at TP=2, with sequence parallelism,
 overlapped sketch reduction, and under the interleaved pipeline (PP=3 and PP=2, with SP and
 overlap too) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
 a checkpoint saved through ``dist_checkpointing`` at TP=2 x PP=2 with the interleaved pipeline
-resumes at TP=1 and at PP=2 on the uninterrupted run's losses; bad flags are one line."""
+resumes at TP=1 and at PP=2 on the uninterrupted run's losses, and carries Megatron-LM's args, from
+which the smoke job builds its model alone; bad flags are one line."""
 
 import json
 import os
@@ -12,6 +13,8 @@ import sys
 
 import pytest
 from dist_harness import REPO
+
+from logra_megatron.models import get_preset
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 # 6 layers, so that PP=3 with one layer per virtual stage gives each rank two model chunks;
@@ -111,6 +114,12 @@ def test_a_tp2_pp2_vpp_checkpoint_resumes_at_tp1_and_at_pp2_on_the_uninterrupted
         resumed = summary(loop(["--optimizer", "logra", *COMMON, *layout, "--load", str(tmp_path)], nproc))
         assert resumed["iterations"] == 4
         assert resumed["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5, abs=0), layout
+    # Megatron-LM's args in its common state: the smoke job builds the model from them alone
+    smoke = subprocess.run([sys.executable, "-m", "logra_megatron.smoke", "--load", str(tmp_path), "--train-iters", "1",
+                            "--seq-length", "16", "--global-batch-size", "2", "--micro-batch-size", "2"],
+                           capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    six_layers = get_preset("tiny").with_changes(layers=6)
+    assert smoke.returncode == 0 and f"params={six_layers.num_parameters():,}" in smoke.stdout, smoke.stderr[-2000:]
     # the same checkpoint under the other optimizer: one line naming the checkpoint, exit 2
     other = direct(["--optimizer", "adam", *COMMON, "--load", str(tmp_path)])
     assert other.returncode == 2 and f"error: --load {tmp_path}/iter_0000002: " in other.stderr, other.stderr[-2000:]
