@@ -7,7 +7,10 @@ import sys
 
 class UserError(Exception):
     """An error caused by the user's input (a flag, a file, a layout) with a message that says
-    what to change. Entry points turn it into one line on stderr and exit code 2."""
+    what to change. Entry points turn it into one line on stderr and exit code 2. ``printed``: the
+    line was printed already (by rank 0, before the ranks went down together)."""
+
+    printed = False
 
 
 def one_line(message) -> str:
@@ -27,7 +30,7 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as error:
             # Under torchrun every rank finds the same error; one line is enough.
-            if os.environ.get("RANK", "0") == "0":
+            if os.environ.get("RANK", "0") == "0" and not error.printed:
                 print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
             sys.exit(2)
 
