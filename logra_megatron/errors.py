@@ -20,6 +20,15 @@ def one_line(message) -> str:
     return text or "invalid input (no details)"
 
 
+def _says_errors() -> bool:
+    """Under torchrun every rank of a node finds the same error; one line is enough: global rank 0's,
+    and on every other node its first rank's (another node may find what node 0 does not: a --load
+    path missing there; its log is the one that says why it stopped)."""
+    if os.environ.get("RANK", "0") == "0":
+        return True
+    return os.environ.get("LOCAL_RANK") == "0" and os.environ.get("GROUP_RANK", "0") != "0"
+
+
 def exit_on_user_error(main):
     """Decorate an entry point so that a :class:`UserError` prints ``error: <message>`` and exits
     with status 2 instead of raising a traceback."""
@@ -29,8 +38,7 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            # Under torchrun every rank finds the same error; one line is enough.
-            if os.environ.get("RANK", "0") == "0" and not error.printed:
+            if _says_errors() and not error.printed:
                 print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
             sys.exit(2)
 

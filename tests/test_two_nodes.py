@@ -6,7 +6,8 @@ filesystem look like):
 - the trainer with a --save that is not one directory for every node stops before training with one
   ``error:`` line naming the requirement (docs/MULTI_NODE.md);
 - the trainer with --save on a directory both nodes share saves, and a second run resumes from it at
-  the saved iteration.
+  the saved iteration;
+- an error found on node 1 alone is said in node 1's log.
 
 c10d rendezvous ignores ``--node-rank`` (torchrun says so) and numbers the nodes by their address:
 ``--local-addr 127.0.0.1`` / ``127.0.0.2`` (both loopback) makes node 0 the one with ranks 0 and 1.
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from dist_harness import REPO
 
@@ -237,3 +240,28 @@ def test_the_refusal_names_what_differs():
     line = shared_checkpoint_problem("/s/ckpt", apart)
     assert line and line.startswith("the ranks resolved --load to different checkpoints: rank 0 loads iter_0000002, ranks "
                            "2, 3 (node 1 on host h) nothing (a fresh start); "), line
+
+
+def test_each_node_says_why_its_ranks_stopped(monkeypatch, capsys):
+    """An ``error:`` line comes from global rank 0, and from the first rank of every other node (a
+    --load missing on node 1 only stops node 1's ranks at the flag checks: their log says why); a
+    line rank 0 printed already (the shared-directory check) is not repeated."""
+    from logra_megatron.errors import UserError, exit_on_user_error
+
+    def fail(printed=False):
+        error = UserError("no such checkpoint")
+        error.printed = printed
+        raise error
+
+    said = {}
+    for rank, local, node in ((0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("GROUP_RANK", str(node))
+        for printed in (False, True):
+            with pytest.raises(SystemExit) as stop:
+                exit_on_user_error(fail)(printed)
+            assert stop.value.code == 2
+            said[rank, printed] = capsys.readouterr().err
+    assert said[0, False] == said[2, False] == "error: no such checkpoint\n"
+    assert said[1, False] == said[3, False] == "" and not any(said[rank, True] for rank in range(4))

@@ -128,9 +128,9 @@ def check_shared_checkpoints(save: Optional[str], load_dir: Optional[str]) -> No
     problem = shared_checkpoint_problem(save, everyone)
     if problem:
         error = UserError(problem)
-        if first:  # said before any rank exits: torchrun stops a node's other ranks when the first one ends
+        error.printed = True  # by rank 0 alone (the other nodes' ranks found the same), before any rank
+        if first:             # exits: torchrun stops a node's other ranks when the first one ends
             print(f"error: {one_line(problem)}", file=sys.stderr, flush=True)
-            error.printed = True
         dist.barrier()
         raise error
 
