@@ -11,18 +11,27 @@ started from (a converted checkpoint's ``tokenizer/``) is copied along, so a res
 Loading checks those settings before reading any tensor and turns every unreadable file into one
 ``error:`` line naming it; ``--no-load-optim`` takes the weights (and the trainer state) only, with
 fresh optimizer state: how a dense checkpoint's weights start a LoGRA run.
+
+A run of several ranks checks at its start, before any training, that ``--save`` is one directory
+every rank sees (:func:`check_shared_checkpoints`): every rank writes its shards of an iteration
+into it and rank 0 publishes the iteration, so on several nodes it must be on a shared filesystem
+(docs/MULTI_NODE.md).
 """
 
 import json
 import os
 import shutil
-from typing import Optional
+import socket
+import sys
+import time
+import uuid
+from typing import List, Optional
 
 import torch.distributed as dist
 
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
 from logra_megatron.checkpoint_layout import atomic_write_text, partial_dir, publish, remove_partials
-from logra_megatron.errors import UserError
+from logra_megatron.errors import UserError, one_line
 from logra_megatron.faults import kill_point
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -71,6 +80,111 @@ def save_training_state(root: str, model, optimizer, model_config, state: dict, 
         publish(root, state["step"], keep)
         kill_point("save:published")
     dist.barrier()
+
+
+SHARED_CHECK_PREFIX = ".logra-shared-check-"
+SHARED_CHECK_GRACE_S = 2.0
+"""How long a rank looks for rank 0's marker before it says it does not see it (a network
+filesystem may show a new file to other clients a moment late)."""
+
+
+def check_shared_checkpoints(save: Optional[str], load_dir: Optional[str]) -> None:
+    """Before training (collective; nothing to check with one rank): ``save`` must be one directory
+    that every rank sees, and every rank must have resolved ``--load`` to the same checkpoint.
+
+    Rank 0 writes a marker file with a fresh name into ``save``; every rank looks for it there.
+    A rank that does not see it (another node's local disk, or a relative path resolved against
+    another working directory) would write its shards where rank 0 never publishes them, so the
+    run stops now, on every rank, with one ``error:`` line (:func:`shared_checkpoint_problem`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or (not save and not load_dir):
+        return
+    first = dist.get_rank() == 0
+    token, failure = uuid.uuid4().hex, None
+    marker = None
+    if save:
+        try:
+            os.makedirs(save, exist_ok=True)  # every rank: its mkdir also refreshes a stale view of the path
+            if first:
+                marker = os.path.join(save, SHARED_CHECK_PREFIX + token)
+                atomic_write_text(marker, token)
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error.strerror or error}"
+    shared = [token]
+    dist.broadcast_object_list(shared, src=0)  # (after rank 0 wrote the marker)
+    token = shared[0]
+    seen = None
+    if save and failure is None:
+        seen = _sees(os.path.join(save, SHARED_CHECK_PREFIX + token), token)
+    mine = {"rank": dist.get_rank(), "node": os.environ.get("GROUP_RANK", "?"), "host": socket.gethostname(),
+            "save": os.path.abspath(save) if save else None, "sees_marker": seen, "failure": failure,
+            "load": _checkpoint_name(load_dir)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if marker is not None:
+        try:
+            os.remove(marker)
+        except OSError:
+            pass
+    problem = shared_checkpoint_problem(save, everyone)
+    if problem:
+        error = UserError(problem)
+        error.printed = True  # by rank 0 alone (the other nodes' ranks found the same), before any rank
+        if first:             # exits: torchrun stops a node's other ranks when the first one ends
+            print(f"error: {one_line(problem)}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise error
+
+
+def _sees(path: str, token: str) -> bool:
+    deadline = time.monotonic() + SHARED_CHECK_GRACE_S
+    while True:
+        try:
+            with open(path) as handle:
+                if handle.read() == token:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _checkpoint_name(load_dir: Optional[str]) -> Optional[str]:
+    """What a rank resolved ``--load`` to, comparable across nodes: the iteration's directory name
+    (``iter_NNNNNNN``) or, for converted weights, the directory's name."""
+    return os.path.basename(os.path.normpath(load_dir)) if load_dir else None
+
+
+def _ranks_text(reports: List[dict]) -> str:
+    ranks = ", ".join(str(report["rank"]) for report in reports)
+    nodes = sorted({f"node {report['node']} on host {report['host']}" for report in reports})
+    return f"rank{'s' if len(reports) > 1 else ''} {ranks} ({'; '.join(nodes)})"
+
+
+def shared_checkpoint_problem(save: Optional[str], reports: List[dict]) -> Optional[str]:
+    """The one line that stops a run whose ranks do not share its checkpoints (``reports``: every
+    rank's findings, rank 0's first), or None."""
+    first = reports[0]
+    failed = [report for report in reports if report["failure"]]
+    if failed:
+        return (f"--save {save}: {_ranks_text(failed)} cannot create it or write there "
+                f"({failed[0]['failure']}); give a directory every rank can write")
+    blind = [report for report in reports if report["sees_marker"] is False]
+    if blind:
+        where = blind[0]["save"]
+        looked = f"; they look in {where}" if where != first["save"] else ""
+        return (f"--save {save} is not one directory shared by every rank: {_ranks_text(blind)} "
+                f"{'does' if len(blind) == 1 else 'do'} not see the file rank 0 wrote in {first['save']}{looked}. Every rank writes its shards of a checkpoint "
+                "there and rank 0 publishes it, so a run on several nodes needs --save on a filesystem all "
+                "nodes share, as an absolute path or relative to a working directory that is the same on every "
+                "node (docs/MULTI_NODE.md)")
+    differ = [report for report in reports if report["load"] != first["load"]]
+    if differ:
+        ours, theirs = (first["load"] or "nothing (a fresh start)"), (differ[0]["load"] or "nothing (a fresh start)")
+        return (f"the ranks resolved --load to different checkpoints: rank 0 loads {ours}, {_ranks_text(differ)} "
+                f"{theirs}; every node must see the same checkpoints there (a shared "
+                "filesystem, or identical copies at that path) (docs/MULTI_NODE.md)")
+    return None
 
 
 def load_training_state(directory: str, model, optimizer, compatibility: dict, load_optim: bool = True) -> dict:

@@ -30,7 +30,7 @@ from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
-from logra_megatron.rl.checkpointing import (load_training_state, optimizer_compatibility,
+from logra_megatron.rl.checkpointing import (check_shared_checkpoints, load_training_state, optimizer_compatibility,
                                              save_training_state)
 from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, widened_heads_line
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
@@ -188,6 +188,9 @@ def build(config: TrainConfig) -> Run:
     start_time = time.perf_counter()
     parallel.initialize(config.parallel.tensor_model_parallel_size,
                         config.parallel.pipeline_model_parallel_size, seed=config.run.seed)
+    # Several ranks (nodes): --save must be one directory all of them see, --load the same checkpoint
+    # everywhere; else one error line now, not a lost save later (docs/MULTI_NODE.md).
+    check_shared_checkpoints(config.checkpoint.save, config.load_dir)
     tokenizer = build_run_tokenizer(config.model, config.load_dir)
     tasks = build_task_source(config.task)
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
