@@ -40,10 +40,6 @@ def test_an_outside_task_reward_and_update_rule_train_by_flag_only(tmp_path):
     events = [json.loads(line) for line in log.read_text().splitlines()]
     # The task was built with its options from --task-options (its default is 2 terms).
     assert {event["terms"] for event in events if event["event"] == "task"} == {3}
-    # The update rule made every optimizer step, on a non-zero sketch gradient.
-    updates = [event for event in events if event["event"] == "update"]
-    assert [event["step"] for event in updates] == [1, 2] and [event["sign_steps"] for event in updates] == [1, 2]
-    assert any(event["grad_norm"] > 0 for event in updates)
     # The outside reward scored the outside task's records: each of the 8 completions a step is
     # worth 1/8 + k/4 (k = 0..3), and -1 on any other task's record or with another term count;
     # an in-package reward gives 0 to the wrong answers of an untrained policy.
@@ -53,6 +49,10 @@ def test_an_outside_task_reward_and_update_rule_train_by_flag_only(tmp_path):
     for mean in rewards:
         quarters = (mean - 0.125) * 8 / 0.25  # the sum of the eight k's
         assert mean >= 0.125 and quarters == pytest.approx(round(quarters)), rewards
+    # The update rule made every optimizer step, on a non-zero sketch gradient.
+    updates = [event for event in events if event["event"] == "update"]
+    assert [event["step"] for event in updates] == [1, 2] and [event["sign_steps"] for event in updates] == [1, 2]
+    assert any(event["grad_norm"] > 0 for event in updates)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == 2
 
