@@ -273,6 +273,10 @@ class Registry:
     def __getitem__(self, name: str):
         return self.get(name)
 
+    def declared(self, name: str) -> Optional[Entry]:
+        """The registered entry ``name`` as declared (a lazy target not imported), or None."""
+        return self._entries.get(name)
+
     def values(self) -> list:
         """Every registered entry's object (lazy ones imported)."""
         return [self.get(name) for name in self._entries]
@@ -327,7 +331,8 @@ class Registry:
         try:
             return self.check(value)
         except UserError as error:
-            raise BadValue(one_line(error)) from None
+            message = one_line(error)
+            raise BadValue(message[len(self.flag) + 1:] if message.startswith(self.flag + " ") else message) from None
 
     def options_for(self, value: str, given: Dict[str, Any], flag: str):
         """The entry's options dataclass built from ``given`` (a mapping, e.g. a JSON object of a
