@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import json
 import math
 import re
 import typing
@@ -187,6 +188,22 @@ def yaml_value(item: dataclasses.Field, value: Any) -> Any:
     if spec["choices"] and result not in spec["choices"]:
         raise ValueError(f"must be one of {', '.join(map(str, spec['choices']))}")
     return result
+
+
+def json_object_text(value) -> str:
+    """An options flag's value: a JSON object (text on the command line, a mapping or text in YAML),
+    kept as canonical JSON text so the config stays hashable ('' for none)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadValue("must be a JSON object, e.g. '{\"scale\": 0.5}'") from None
+    if not isinstance(value, dict):
+        raise BadValue(f"must be a JSON object of options, not {type(value).__name__}")
+    return json.dumps(value, sort_keys=True) if value else ""
+
+
+json_object_text.__name__ = "JSON object"  # argparse: "invalid JSON object value: 'abc'"
 
 
 # --- plug-ins: a registry of named entries that also takes outside code ------------------------

@@ -25,7 +25,8 @@ TINY = ["--warmup-iters", "0", "--train-iters", "2", "--eval-prompts", "4", "--p
         "--group-size", "4", "--max-new-tokens", "4", "--micro-batch-size", "8", "--kl-probe-sequences", "2",
         "--no-progress"]
 OUTSIDE = ["--task", "three_terms:ThreeTerms", "--task-options", '{"terms": 3}',
-           "--reward", "three_terms:offset_reward", "--logra-update", "three_terms:SignMomentum"]
+           "--reward", "three_terms:offset_reward", "--logra-update", "three_terms:SignMomentum",
+           "--logra-update-options", '{"scale": 0.5}']
 
 
 def train(args, env=ENV, timeout=300):
@@ -53,6 +54,7 @@ def test_an_outside_task_reward_and_update_rule_train_by_flag_only(tmp_path):
     updates = [event for event in events if event["event"] == "update"]
     assert [event["step"] for event in updates] == [1, 2] and [event["sign_steps"] for event in updates] == [1, 2]
     assert any(event["grad_norm"] > 0 for event in updates)
+    assert {event["scale"] for event in updates} == {0.5}  # its options, from --logra-update-options
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == 2
 
@@ -68,13 +70,16 @@ def test_an_outside_task_reward_and_update_rule_train_by_flag_only(tmp_path):
     ("--task-options", '{"terms": 3, "bogus": 1}', "has no option bogus"),
     ("--task-options", '{"terms": 1}', "terms must be >= 2"),
     ("--logra-update", "adamm", "unknown update rule 'adamm' (--logra-update); did you mean adam"),
+    ("--logra-update-options", '{"scale": 1, "nope": 2}', "has no option nope (its options: scale)"),
+    ("--logra-update-options", "[1]", "must be a JSON object"),
 ])
 def test_a_bad_plugin_is_one_error_line(flag, value, needle, monkeypatch, capsys):
     from logra_megatron.config import parse_train_args
     from logra_megatron.errors import one_line
 
     monkeypatch.syspath_prepend(str(PLUGINS))
-    args = ["--task", "three_terms:ThreeTerms"] if flag == "--task-options" else []
+    args = {"--task-options": ["--task", "three_terms:ThreeTerms"],
+            "--logra-update-options": ["--logra-update", "three_terms:SignMomentum"]}.get(flag, [])
     try:
         parse_train_args([*args, flag, value, *TINY], world_size=1)
     except UserError as error:

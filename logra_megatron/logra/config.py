@@ -1,10 +1,11 @@
 """LoGRA settings: one documented dataclass, validated on construction."""
 
+import json
 from dataclasses import dataclass
 from typing import Union
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import Registry, option
+from logra_megatron.schema import Registry, json_object_text, option
 
 # The default rank: half of each weight's projected dimension, at most 256. Chosen with the memory
 # planner (README, "LoGRA: the optimizer"): the fraction alone gives r = 2560 on qwen2.5-32b, where
@@ -53,6 +54,10 @@ class LogRAConfig:
 
     update: str = option(
         "adam", flag="--logra-update", parse=UPDATE_RULES.parse, help=UPDATE_RULES.help("the sketch-space update rule"))
+    update_options: str = option(
+        "", flag="--logra-update-options", parse=json_object_text,
+        help="the update rule's own options as a JSON object, for a rule that declares an options dataclass "
+             "(an outside rule's 'options' attribute), e.g. '{\"scale\": 0.5}'")
     rowadam_step: float = option(
         6e-5, flag="--logra-rowadam-step",
         help="rowadam: the update of all sketched weights together has norm this x their norm at the peak "
@@ -126,6 +131,8 @@ class LogRAConfig:
         if self.norm_probes < 0:
             raise UserError(f"--logra-norm-probes must be >= 0, got {self.norm_probes}")
         UPDATE_RULES.check(self.update)
+        if self.update_options or UPDATE_RULES.is_path(self.update):  # a registered rule is not imported here
+            self.rule_options()
         if not self.rowadam_step > 0:
             raise UserError(f"--logra-rowadam-step must be > 0, got {self.rowadam_step}")
         if self.update == "rowadam" and self.zero1:
@@ -136,6 +143,12 @@ class LogRAConfig:
                             "identity projection")
         if self.second_moment not in MOMENT_POLICIES:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
+
+    def rule_options(self):
+        """The update rule's options dataclass built from ``--logra-update-options`` (None when the
+        rule declares none); a rule that declares one is constructed with it as a fourth argument."""
+        return UPDATE_RULES.options_for(self.update, json.loads(self.update_options or "{}"),
+                                        "--logra-update-options")
 
     def rank_for(self, projected_dim: int, weight_name: str) -> int:
         """The rank used for a weight whose projected side has ``projected_dim`` rows: an

@@ -101,7 +101,9 @@ class SketchSpaceOptimizer(MegatronOptimizer):
         if ddp_config is not None and ddp_config.overlap_grad_reduce:
             if self.sketch_buffer.overlap_with_backward(ddp_config.bucket_size):
                 install_no_sync(self.model_chunks, self.sketch_buffer.overlap)
-        self.update_rule = UPDATE_RULES.get(update_rule or logra_config.update)(self.sketch_buffer, config, logra_config)
+        rule = UPDATE_RULES.get(update_rule or logra_config.update)
+        options = () if getattr(rule, "options", None) is None else (logra_config.rule_options(),)
+        self.update_rule = rule(self.sketch_buffer, config, logra_config, *options)
         redraw = self.update_rule.projections == REDRAW
         self.refresh = (RademacherRedraw if redraw else RangeFinderRefresh)(logra_config, self.sketch_buffer)
         self.masters = MasterWeights(self.sketch_buffer.weights, logra_config.master, logra_config.seed,

@@ -31,7 +31,8 @@ __all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "RED
 class UpdateRule(Protocol):
     """The interface of a sketch-space update rule.
 
-    Constructed as ``Rule(buffer, optimizer_config, logra_config)``: ``buffer`` is the
+    Constructed as ``Rule(buffer, optimizer_config, logra_config)``, or with a fourth argument,
+    its options (``--logra-update-options``), when the class declares an ``options`` dataclass: ``buffer`` is the
     :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer` (``slice_numel``: the length of
     this rank's slice, the whole flat buffer unless ZeRO-1; ``line_numel``; the weights),
     ``optimizer_config`` Megatron's ``OptimizerConfig`` (lr, betas, eps, ...), ``logra_config``

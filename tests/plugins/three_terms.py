@@ -2,7 +2,8 @@
 rule, each chosen by flag only (tests/test_plugins.py puts this directory on PYTHONPATH)::
 
     python -m logra_megatron.train --task three_terms:ThreeTerms --task-options '{"terms": 3}' \\
-        --reward three_terms:offset_reward --logra-update three_terms:SignMomentum
+        --reward three_terms:offset_reward --logra-update three_terms:SignMomentum \\
+        --logra-update-options '{"scale": 0.5}'
 
 Each leaves a trace the test reads: the task's records carry ``task: three_terms`` and their term
 count, the reward's values are offset by 1/8 (an in-package reward never gives 0.125 to a wrong
@@ -107,16 +108,24 @@ offset_reward.needs = (PROVIDES_ANSWER,)
 
 # --- the update rule ---------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class SignMomentumOptions:
+    """``--logra-update-options`` of this rule."""
+
+    scale: float = 1.0
+
+
 class SignMomentum:
-    """Signum in sketch space: a momentum per sketch element, the update its sign (scaled so its
-    RMS is 1, as Adam's early steps are)."""
+    """Signum in sketch space: a momentum per sketch element, the update its sign times ``scale``."""
 
     state_names = ("momentum",)
     state_layout = ELEMENT
     projections = RANGE_FINDER
     kl_max_scale = 1.0
+    options = SignMomentumOptions
 
-    def __init__(self, buffer, optimizer_config, logra_config):
+    def __init__(self, buffer, optimizer_config, logra_config, options: SignMomentumOptions):
+        self.scale = options.scale
         self.beta = optimizer_config.adam_beta1
         self.momentum = buffer.flat.new_zeros(buffer.slice_numel, dtype=torch.float32)
         self.sign_steps = 0
@@ -125,8 +134,8 @@ class SignMomentum:
         self.sign_steps += 1
         self.momentum.mul_(self.beta).add_(grad, alpha=1 - self.beta)
         _log(event="update", step=step, sign_steps=self.sign_steps, grad_norm=float(grad.norm()),
-             numel=grad.numel())
-        return torch.sign(self.momentum)
+             numel=grad.numel(), scale=self.scale)
+        return torch.sign(self.momentum).mul_(self.scale)
 
     def state(self):
         return {"momentum": self.momentum}
