@@ -275,7 +275,7 @@ class Registry:
             table = self._prefixes if prefix else self._entries
             if name in table:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
-            table[name] = Entry(name, obj, help or _first_line(obj), options, dict(info), listed)
+            table[name] = Entry(name, obj, help or _first_line(obj), options or _options_of(obj), dict(info), listed)
             return obj
 
         return add if target is None else add(target)
@@ -321,12 +321,13 @@ class Registry:
             if value not in self._outside:
                 obj = self._import(value)
                 self._outside[value] = Entry(value, self._adapt(obj) if self._adapt else obj, _first_line(obj),
-                                             getattr(obj, "options", None), {"source": obj}, False, True)
+                                             _options_of(obj), {"source": obj}, False, True)
             return self._outside[value]
         else:
             raise UserError(self.unknown(value))
         if isinstance(entry.target, str) and self.is_path(entry.target):
             entry.target = self._import(entry.target, name=value)
+            entry.options = entry.options or _options_of(entry.target)
         return entry
 
     def get(self, value: str):
@@ -419,6 +420,12 @@ class Registry:
             article = "an" if self.kind[:1] in "aeiou" else "a"
             raise UserError(f"{shown}: {attr} is not {article} {self.kind}: {reason}")
         return obj
+
+
+def _options_of(obj) -> Optional[type]:
+    """An entry's own options: the dataclass its ``options`` attribute names, else None."""
+    options = None if isinstance(obj, str) else getattr(obj, "options", None)
+    return options if isinstance(options, type) and dataclasses.is_dataclass(options) else None
 
 
 def _first_line(obj) -> str:

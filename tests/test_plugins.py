@@ -7,6 +7,7 @@ its steps, the task's records (with ``--task-options``) reach the reward, and th
 (offset by 1/8) are the ones in the metrics. A bad path is one ``error:`` line and exit code 2.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -136,6 +137,21 @@ def test_registry_names_paths_prefixes_and_errors():
     assert registry.entry("os.path:join").outside and not registry.entry("plain").outside
     with pytest.raises(ValueError, match="already registered"):
         registry.register("plain", plain)
+
+    @dataclasses.dataclass
+    class Options:
+        size: int = 1
+
+    class WithOptions:
+        options = Options
+
+    registry.register("sized", WithOptions)
+    assert registry.options_for("sized", {"size": 2}, "--widget-options") == Options(2)
+    assert registry.options_for("plain", {}, "--widget-options") is None
+    with pytest.raises(UserError, match="--widget-options: --widget sized has no option colour"):
+        registry.options_for("sized", {"colour": 1}, "--widget-options")
+    with pytest.raises(UserError, match="--widget-options: --widget plain takes no options"):
+        registry.options_for("plain", {"size": 1}, "--widget-options")
     for value, needle in (("plian", "unknown widget 'plian' (--widget); did you mean plain?"),
                           ("", "--widget needs a widget"),
                           ("os.path:sep", "sep is not a widget: not callable"),
