@@ -70,7 +70,7 @@ def test_flags_reach_their_section():
     (["--top-k", "-3"], "top_k must be >= 0"),
     (["--kl-target", "-1"], "--kl-target must be > 0"),
     (["--group-size", "0"], "--group-size must be >= 1"),
-    (["--rollout-engine", "nope"], "invalid choice: 'nope'"),
+    (["--rollout-engine", "nope"], "unknown rollout engine 'nope'"),
     (["--clip-low", "1.5"], "--clip-low must be in [0, 1)"),
     (["--adam-beta1", "1.0"], "--adam-beta1 must be in [0, 1)"),
     (["--lr-decay-style", "step"], "invalid choice: 'step'"),

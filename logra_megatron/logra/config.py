@@ -1,10 +1,11 @@
 """LoGRA settings: one documented dataclass, validated on construction."""
 
+import json
 from dataclasses import dataclass
 from typing import Union
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import option
+from logra_megatron.schema import Registry, json_object_text, option
 
 # The default rank: half of each weight's projected dimension, at most 256. Chosen with the memory
 # planner (docs/OPTIMIZER.md, "The default rank"): the fraction alone gives r = 2560 on qwen2.5-32b, where
@@ -18,9 +19,33 @@ DEFAULT_MAX_RANK = 256
 """``--logra-max-rank``'s default: the cap on a fractional rank."""
 MOMENT_POLICIES = ("rotate", "reset")
 MASTER_MODES = ("fp32", "bf16-sr", "none")
-UPDATE_RULE_NAMES = ("adam", "rowadam")
-"""The sketch-space update rules ``--logra-update`` selects (the registry is
-logra/update_rules.py; this tuple keeps the flag's parsing free of torch)."""
+
+
+def _is_update_rule(obj) -> "str | None":
+    """Why ``obj`` is not an update rule (logra/update_rules.py: ``UpdateRule``), or None."""
+    if not isinstance(obj, type):
+        return "an update rule is a class, constructed as Rule(buffer, optimizer_config, logra_config)"
+    missing = [name for name in ("state_names", "state_layout", "projections", "update", "state", "reset",
+                                 "counters", "load_counters") if not hasattr(obj, name)]
+    return f"the class lacks {', '.join(missing)} (logra/update_rules.py: UpdateRule)" if missing else None
+
+
+UPDATE_RULES = Registry("update rule", "--logra-update", accepts=_is_update_rule)
+"""The sketch-space update rules ``--logra-update`` selects, by name, or outside code by
+``package.module:attr`` (a class implementing logra/update_rules.py's ``UpdateRule``). Declared by
+path, so reading the flag imports no torch; a new rule in the package is one file and one line
+here."""
+UPDATE_RULES.register(
+    "adam", "logra_megatron.logra.update_adamw:SketchAdamW",
+    help="Adam moments per sketch element, orthonormal projections refreshed by a range finder")
+UPDATE_RULES.register(
+    "rowadam", "logra_megatron.logra.update_rowadam:RowAdam",
+    help="the reference implementation's rule: a fresh Rademacher projection every step, so "
+         "--logra-refresh-interval, --logra-oversampling and --logra-norm-probes do not apply; one second "
+         "moment per row, each step's update sized --logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; "
+         "no --use-distributed-optimizer")
+UPDATE_RULE_NAMES = UPDATE_RULES.names()
+"""The registered rules' names (outside rules come by path)."""
 
 
 @dataclass(frozen=True)
@@ -28,12 +53,11 @@ class LogRAConfig:
     """How weight gradients are sketched and how the sketch-space Adam behaves."""
 
     update: str = option(
-        "adam", flag="--logra-update", choices=UPDATE_RULE_NAMES,
-        help="the sketch-space update rule: adam (Adam moments per sketch element, orthonormal projections "
-             "refreshed by a range finder) or rowadam (the reference implementation's rule: a fresh "
-             "Rademacher projection every step, so --logra-refresh-interval, --logra-oversampling and "
-             "--logra-norm-probes do not apply; one second moment per row, each step's update sized "
-             "--logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; no --use-distributed-optimizer)")
+        "adam", flag="--logra-update", parse=UPDATE_RULES.parse, help=UPDATE_RULES.help("the sketch-space update rule"))
+    update_options: str = option(
+        "", flag="--logra-update-options", parse=json_object_text,
+        help="the update rule's own options as a JSON object, for a rule that declares an options dataclass "
+             "(an outside rule's 'options' attribute), e.g. '{\"scale\": 0.5}'")
     rowadam_step: float = option(
         6e-5, flag="--logra-rowadam-step",
         help="rowadam: the update of all sketched weights together has norm this x their norm at the peak "
@@ -106,8 +130,9 @@ class LogRAConfig:
             raise UserError(f"--logra-master must be one of {', '.join(MASTER_MODES)}, got {self.master!r}")
         if self.norm_probes < 0:
             raise UserError(f"--logra-norm-probes must be >= 0, got {self.norm_probes}")
-        if self.update not in UPDATE_RULE_NAMES:
-            raise UserError(f"--logra-update must be one of {', '.join(UPDATE_RULE_NAMES)}, got {self.update!r}")
+        UPDATE_RULES.check(self.update)
+        if self.update_options or UPDATE_RULES.is_path(self.update):  # a registered rule is not imported here
+            self.rule_options()
         if not self.rowadam_step > 0:
             raise UserError(f"--logra-rowadam-step must be > 0, got {self.rowadam_step}")
         if self.update == "rowadam" and self.zero1:
@@ -118,6 +143,12 @@ class LogRAConfig:
                             "identity projection")
         if self.second_moment not in MOMENT_POLICIES:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
+
+    def rule_options(self):
+        """The update rule's options dataclass built from ``--logra-update-options`` (None when the
+        rule declares none); a rule that declares one is constructed with it as a fourth argument."""
+        return UPDATE_RULES.options_for(self.update, json.loads(self.update_options or "{}"),
+                                        "--logra-update-options")
 
     def rank_for(self, projected_dim: int, weight_name: str) -> int:
         """The rank used for a weight whose projected side has ``projected_dim`` rows: an

@@ -31,7 +31,7 @@ layers, without touching the weights (the KL controller's forecast).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -101,7 +101,11 @@ class SketchSpaceOptimizer(MegatronOptimizer):
         if ddp_config is not None and ddp_config.overlap_grad_reduce:
             if self.sketch_buffer.overlap_with_backward(ddp_config.bucket_size):
                 install_no_sync(self.model_chunks, self.sketch_buffer.overlap)
-        self.update_rule = UPDATE_RULES[update_rule or logra_config.update](self.sketch_buffer, config, logra_config)
+        name = update_rule or logra_config.update
+        rule = UPDATE_RULES.get(name)
+        declares = UPDATE_RULES.entry(name).options is not None
+        options = (replace(logra_config, update=name).rule_options(),) if declares else ()
+        self.update_rule = rule(self.sketch_buffer, config, logra_config, *options)
         redraw = self.update_rule.projections == REDRAW
         self.refresh = (RademacherRedraw if redraw else RangeFinderRefresh)(logra_config, self.sketch_buffer)
         self.masters = MasterWeights(self.sketch_buffer.weights, logra_config.master, logra_config.seed,

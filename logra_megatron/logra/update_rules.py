@@ -12,18 +12,18 @@ the projections and applying ``lr`` and decoupled weight decay to the weights, r
 projections, and checkpointing the rule's state (docs/ALGORITHM.md, "Sketch-space Adam").
 
 Adding a rule is one new file with a class implementing :class:`UpdateRule` and one line in
-:data:`UPDATE_RULES` (and its name in ``logra/config.py``'s ``UPDATE_RULE_NAMES``, the choices
-of ``--logra-update``); ``LogRAConfig(update=name)`` selects it.
+:data:`UPDATE_RULES` (declared in ``logra/config.py``, so the flag is read without torch);
+``LogRAConfig(update=name)`` selects it. A rule outside the package needs no line anywhere:
+``--logra-update package.module:Class`` imports it.
 """
 
 from typing import Dict, Protocol, Tuple
 
 import torch
 
+from logra_megatron.logra.config import UPDATE_RULES
 from logra_megatron.logra.refresh import RANGE_FINDER, REDRAW
 from logra_megatron.logra.sketch_buffer import ELEMENT, LINE
-from logra_megatron.logra.update_adamw import SketchAdamW
-from logra_megatron.logra.update_rowadam import RowAdam
 
 __all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "REDRAW"]
 
@@ -31,7 +31,8 @@ __all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "RED
 class UpdateRule(Protocol):
     """The interface of a sketch-space update rule.
 
-    Constructed as ``Rule(buffer, optimizer_config, logra_config)``: ``buffer`` is the
+    Constructed as ``Rule(buffer, optimizer_config, logra_config)``, or with a fourth argument,
+    its options (``--logra-update-options``), when the class declares an ``options`` dataclass: ``buffer`` is the
     :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer` (``slice_numel``: the length of
     this rank's slice, the whole flat buffer unless ZeRO-1; ``line_numel``; the weights),
     ``optimizer_config`` Megatron's ``OptimizerConfig`` (lr, betas, eps, ...), ``logra_config``
@@ -88,9 +89,3 @@ class UpdateRule(Protocol):
 
     def load_counters(self, counters: Dict[str, int]) -> None:
         """Restore from a dict holding (at least) the names :meth:`counters` returns."""
-
-
-UPDATE_RULES: Dict[str, type] = {
-    "adam": SketchAdamW,
-    "rowadam": RowAdam,
-}

@@ -22,7 +22,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import get_attr_wrapped_model
 
-from logra_megatron.models.config import ModelConfig, resolve_attention_backend
+from logra_megatron.models.config import ATTENTION_BACKENDS, ModelConfig, resolve_attention_backend
 from logra_megatron.models.sdpa_attention import SDPAttention
 from logra_megatron.models.sequence_parallel_norm import sequence_parallel_block_spec
 from logra_megatron.platform import cuda_available, default_device
@@ -139,14 +139,16 @@ def gpt_layer_spec(use_transformer_engine: Optional[bool] = None, attention_back
 
 
 CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
-"""The ``core_attention`` class of each resolved ``--attention-backend``."""
+"""The ``core_attention`` class of each resolved built-in ``--attention-backend`` (the registry,
+``models/config.py: ATTENTION_BACKENDS``, names them by path; an outside one comes from there)."""
 
 
 def with_attention_backend(spec, attention_backend: str = "auto"):
     """``spec`` (a GPT layer ``ModuleSpec``, changed in place and returned) with the core attention
     of ``attention_backend`` (``models/config.py: ATTENTION_BACKENDS``)."""
     attention = spec.submodules.self_attention.submodules
-    attention.core_attention = CORE_ATTENTION[resolve_attention_backend(attention_backend)]
+    resolved = resolve_attention_backend(attention_backend)
+    attention.core_attention = CORE_ATTENTION.get(resolved) or ATTENTION_BACKENDS.get(resolved)
     return spec
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from logra_megatron.errors import UserError
+from logra_megatron.schema import Registry
 
 
 @dataclass(frozen=True)
@@ -139,17 +140,32 @@ PRESETS = {
 }
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
+def _is_core_attention(obj) -> Optional[str]:
+    if not isinstance(obj, type):
+        return "a core attention is a module class, as Megatron's layer spec takes for core_attention"
+    return None
+
+
+ATTENTION_BACKENDS = Registry("attention backend", "--attention-backend", accepts=_is_core_attention)
 """``--attention-backend`` (Megatron-LM's flag; our values): the core attention in the layer spec.
 ``sdpa``: torch's ``scaled_dot_product_attention`` (``models/sdpa_attention.py``; flash or
 memory-efficient kernels on CUDA, O(s) memory per head); ``unfused``: Megatron's
-``DotProductAttention`` (the ``b x heads x s x s`` scores in memory); ``auto``: sdpa."""
+``DotProductAttention`` (the ``b x heads x s x s`` scores in memory); ``auto``: sdpa. Outside code
+comes by ``package.module:Class`` (a ``core_attention`` module for the layer spec); the memory
+planner counts it as ``unfused`` (scores in memory), the conservative choice. Declared by path:
+reading the flag imports neither torch nor Megatron."""
+ATTENTION_BACKENDS.register("auto", "logra_megatron.models.sdpa_attention:SDPAttention",
+                            help="sdpa; with Transformer Engine, its own fused attention")
+ATTENTION_BACKENDS.register("sdpa", "logra_megatron.models.sdpa_attention:SDPAttention",
+                            help="torch's scaled_dot_product_attention: flash or memory-efficient kernels on CUDA")
+ATTENTION_BACKENDS.register("unfused", "megatron.core.transformer.dot_product_attention:DotProductAttention",
+                            help="Megatron's DotProductAttention, the b x heads x s x s scores in memory")
 
 
 def resolve_attention_backend(name: str) -> str:
-    """``sdpa`` or ``unfused`` for an ``--attention-backend`` value (``auto`` is sdpa)."""
-    if name not in ATTENTION_BACKENDS:
-        raise UserError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    """``sdpa``, ``unfused`` or an outside ``package.module:Class`` for an ``--attention-backend``
+    value (``auto`` is sdpa); an unknown name is one :class:`UserError`."""
+    ATTENTION_BACKENDS.check(name)
     return "sdpa" if name == "auto" else name
 
 

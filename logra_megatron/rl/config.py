@@ -246,11 +246,8 @@ DEFAULT_PROMPTS_PER_STEP = 16
 class RolloutConfig:
     """How many prompts each step samples, and with which engine."""
 
-    engine: str = option("megatron", flag="--rollout-engine", choices=tuple(ROLLOUT_ENGINES),
-                         help="rollout engine: megatron (KV-cache generation on the trainer's own model) or "
-                              "vllm (a vLLM engine on each replica's first rank, in-process in a one-process "
-                              "job, sent the weights after every step; pip install -e .[rollout]; on CPU a "
-                              "preset's heads narrower than 32 are widened to 32)")
+    engine: str = option("megatron", flag="--rollout-engine", parse=ROLLOUT_ENGINES.parse,
+                         help=ROLLOUT_ENGINES.help("rollout engine"))
     prompts_per_step: Optional[int] = option(
         None, help=f"prompts per optimizer step (the global batch is prompts x --group-size sequences; default: "
                    f"--global-batch-size / --group-size, else {DEFAULT_PROMPTS_PER_STEP})")
@@ -272,8 +269,7 @@ class RolloutConfig:
                                               "many syncs, bounding the engine's drift")
 
     def __post_init__(self):
-        if self.engine not in ROLLOUT_ENGINES:
-            raise UserError(f"--rollout-engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}")
+        ROLLOUT_ENGINES.check(self.engine)
         if self.policy_sync == "lowrank" and self.engine != "vllm":
             raise UserError(f"--policy-sync lowrank updates a rollout engine's own weights: it needs "
                             f"--rollout-engine vllm (the {self.engine} engine samples from the trainer's weights)")

@@ -51,7 +51,6 @@ stripped of whitespace, surrounding ``$`` and ``*`` (Markdown bold) and a traili
 ``None`` when nothing is found.
 """
 
-import difflib
 import functools
 import math
 import re
@@ -63,32 +62,53 @@ from logra_megatron.errors import UserError
 from logra_megatron.rl.sandbox import SandboxLimits, SandboxResult, run_program
 from logra_megatron.rl.tasks.base import PROVIDES_ANSWER, PROVIDES_TESTS
 from logra_megatron.rl.tasks.reasoning_gym_source import REASONING_GYM, REASONING_GYM_TASKS, provides_key
-from logra_megatron.schema import option
+from logra_megatron.schema import Registry, option
 
 RewardFn = Callable[[dict, str], float]
-_REWARDS: dict = {}
-_NEEDS: dict = {}
 
 
-def register_reward(name: str, needs: tuple = ()):
+def _as_float_reward(fn: RewardFn) -> RewardFn:
+    """``fn`` with a ``None`` completion read as empty text and its result a Python float."""
+
+    @functools.wraps(fn)
+    def reward(prompt_record: dict, completion_text: Optional[str]) -> float:
+        return float(fn(prompt_record, completion_text if isinstance(completion_text, str) else ""))
+
+    return reward
+
+
+def _is_reward(obj) -> Optional[str]:
+    if not callable(obj) or isinstance(obj, type):
+        return "a reward is a function reward(prompt_record, completion_text) -> float"
+    needs = getattr(obj, "needs", ())
+    if not isinstance(needs, (tuple, list, frozenset, set)) or not all(isinstance(need, str) for need in needs):
+        return "its 'needs' attribute must be a tuple of what it reads from a record (e.g. ('answer',))"
+    return None
+
+
+REWARDS = Registry("reward", "--reward", accepts=_is_reward, adapt=_as_float_reward, close_cutoff=0.75,
+                   summary="a reasoning-gym dataset's name (its score_answer)")
+"""Every reward by name (:func:`register_reward`), and outside code by ``package.module:fn``
+(slime's ``--custom-rm-path``): ``fn(prompt_record, completion_text) -> float``, with an optional
+``fn.needs`` tuple saying what it reads from a record (``("answer",)``; nothing by default)."""
+
+
+def register_reward(name: str, needs: tuple = (), listed: bool = True, help: str = ""):
     """Decorator: register ``fn(prompt_record, completion_text) -> float`` under ``name``.
 
     ``needs``: what the reward reads from a record, among what task sources provide
     (``TaskSource.provides``: ``"answer"``, ``"tests"``, ``"reasoning_gym"``,
     ``"reasoning_gym:<dataset>"``); nothing by default. The registered function is wrapped so
     that a ``None`` completion counts as empty text and the result is always a Python float.
+    ``listed``: named in ``--reward``'s help (the per-dataset reasoning-gym rewards are summarized),
+    with ``help`` (default: the docstring's first line).
     """
 
     def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS:
+        if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered")
-        _NEEDS[name] = frozenset(needs)
-
-        @functools.wraps(fn)
-        def reward(prompt_record: dict, completion_text: Optional[str]) -> float:
-            return float(fn(prompt_record, completion_text if isinstance(completion_text, str) else ""))
-
-        _REWARDS[name] = reward
+        reward = _as_float_reward(fn)
+        REWARDS.register(name, reward, needs=frozenset(needs), listed=listed, help=help)
         return reward
 
     return decorate
@@ -96,25 +116,21 @@ def register_reward(name: str, needs: tuple = ()):
 
 def available_rewards() -> list:
     """Names of the registered rewards, sorted."""
-    return sorted(_REWARDS)
+    return sorted(REWARDS)
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward registered under ``name``; a :class:`UserError` listing the known names if none
-    (the per-dataset reasoning-gym rewards summarized, with close matches)."""
-    if name not in _REWARDS:
-        others = [reward for reward in available_rewards() if reward not in REASONING_GYM_TASKS]
-        close = difflib.get_close_matches(name, available_rewards(), n=3, cutoff=0.75)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise UserError(f"unknown reward {name!r}; {hint}known rewards: {', '.join(others)}, or a reasoning-gym "
-                        f"dataset's name (its score_answer)")
-    return _REWARDS[name]
+    """The reward registered under ``name``, or the outside function ``package.module:fn`` names;
+    a one-line :class:`UserError` otherwise (unknown names listed, with close matches)."""
+    return REWARDS.get(name)
 
 
 def reward_needs(name: str) -> frozenset:
-    """What the registered reward ``name`` reads from a record (see :func:`register_reward`)."""
-    get_reward(name)
-    return _NEEDS[name]
+    """What the reward ``name`` reads from a record (see :func:`register_reward`)."""
+    entry = REWARDS.entry(name)
+    if entry.outside:
+        return frozenset(getattr(entry.info["source"], "needs", ()))
+    return entry.info["needs"]
 
 
 def check_reward_fits_task(name: str, task_name: str, provides: frozenset) -> None:
@@ -139,10 +155,9 @@ class RewardConfig:
     """Which registered reward scores completions (training and evaluation)."""
 
     name: Optional[str] = option(None, flag="--reward",
-                                 help="a registered reward (exact_match, final_answer, math_verify, format, "
-                                      "code_tests, reasoning_gym, a reasoning-gym dataset's name, ...); default: "
-                                      "the task's (arithmetic: exact_match, reasoning-gym: its score_answer, "
-                                      "jsonl: final_answer, humaneval: code_tests)")
+                                 help=lambda: REWARDS.help("the reward (default: the task's own: arithmetic: "
+                                                           "exact_match, reasoning-gym: its score_answer, jsonl: "
+                                                           "final_answer, humaneval: code_tests)"))
     timeout_s: float = option(30.0, flag="--reward-timeout",
                               help="seconds one completion's reward may take; past it the reward scores 0 "
                                    "and is counted (reward_timeouts)")
@@ -248,13 +263,14 @@ def ends_with_marked_answer(text: str) -> bool:
 
 # --- rewards -----------------------------------------------------------------------------------
 
-@register_reward("exact_match", needs=(PROVIDES_ANSWER,))
+@register_reward("exact_match", needs=(PROVIDES_ANSWER,), help="the stripped completion is the reference")
 def exact_match_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the stripped completion equals the stripped reference answer."""
     return 1.0 if completion_text.strip() == str(prompt_record["answer"]).strip() else 0.0
 
 
-@register_reward("arithmetic_partial", needs=(PROVIDES_ANSWER,))
+@register_reward("arithmetic_partial", needs=(PROVIDES_ANSWER,),
+                 help="exact 1.0, half credit per right digit of a same-length number")
 def arithmetic_partial_reward(prompt_record: dict, completion_text: str) -> float:
     """Exact answer: 1.0. A number with the right length: half credit per matching digit
     (right-aligned) -- a denser signal than exact match for a policy that is often nearly right.
@@ -268,7 +284,7 @@ def arithmetic_partial_reward(prompt_record: dict, completion_text: str) -> floa
     return 0.5 * matches / len(answer)
 
 
-@register_reward("format")
+@register_reward("format", help="the answer is stated in the expected form")
 def format_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the completion states its answer in the expected form (module docstring)."""
     pattern = prompt_record.get("answer_pattern")
@@ -297,7 +313,8 @@ def same_answer(stated: Optional[str], reference: str) -> bool:
     return stated_number is not None and stated_number == reference_number
 
 
-@register_reward("final_answer", needs=(PROVIDES_ANSWER,))
+@register_reward("final_answer", needs=(PROVIDES_ANSWER,),
+                 help="the stated final answer equals the reference, as text or number")
 def final_answer_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the completion's stated final answer equals the reference (:func:`same_answer`)."""
     return 1.0 if same_answer(extract_final_answer(completion_text), prompt_record["answer"]) else 0.0
@@ -328,7 +345,7 @@ def score_with_reasoning_gym(task_name: str, prompt_record: dict, completion_tex
 
 
 def _register_reasoning_gym_reward(task_name: str) -> None:
-    @register_reward(task_name, needs=(provides_key(task_name),))
+    @register_reward(task_name, needs=(provides_key(task_name),), listed=False)
     def reward(prompt_record: dict, completion_text: str) -> float:
         return score_with_reasoning_gym(task_name, prompt_record, completion_text)
 
@@ -339,7 +356,7 @@ for _task in REASONING_GYM_TASKS:
     _register_reasoning_gym_reward(_task)
 
 
-@register_reward(REASONING_GYM, needs=(REASONING_GYM,))
+@register_reward(REASONING_GYM, needs=(REASONING_GYM,), help="reasoning-gym's score for the record's own dataset")
 def reasoning_gym_reward(prompt_record: dict, completion_text: str) -> float:
     """reasoning-gym score for the dataset named by ``prompt_record["task"]`` (mixed task sets)."""
     return score_with_reasoning_gym(prompt_record["task"], prompt_record, completion_text)
@@ -356,7 +373,7 @@ def _strip_for_math_verify(text: str) -> str:
     return text
 
 
-@register_reward("math_verify", needs=(PROVIDES_ANSWER,))
+@register_reward("math_verify", needs=(PROVIDES_ANSWER,), help="symbolic equivalence with math-verify")
 def math_verify_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when math-verify finds the completion's answer equivalent to the reference.
 
@@ -436,7 +453,8 @@ def run_code_tests(prompt_record: dict, completion_text: str,
     return run_program(code_tests_program(prompt_record, completion_text), stdin=stdin, limits=limits)
 
 
-@register_reward("code_tests", needs=(PROVIDES_TESTS,))
+@register_reward("code_tests", needs=(PROVIDES_TESTS,),
+                 help="the completion passes the record's unit tests in the sandbox")
 def code_tests_reward(prompt_record: dict, completion_text: str) -> float:
     """1.0 when the completion passes the record's unit tests in the sandbox, else 0.0."""
     return 1.0 if run_code_tests(prompt_record, completion_text).passed else 0.0

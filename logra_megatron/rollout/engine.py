@@ -9,13 +9,13 @@ Every rank of a model replica calls both methods with the same arguments (collec
 replica's tensor- and pipeline-parallel groups); data-parallel replicas call them independently.
 """
 
-import importlib
 import importlib.util
 import inspect
-from typing import Dict, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
 
 from logra_megatron.errors import UserError
 from logra_megatron.rollout.types import Rollouts, SamplingConfig
+from logra_megatron.schema import Registry
 
 
 @runtime_checkable
@@ -36,26 +36,34 @@ class RolloutEngine(Protocol):
         was sent) and ``sync_time_s``."""
 
 
-ROLLOUT_ENGINES: Dict[str, str] = {
-    "megatron": "logra_megatron.rollout.megatron_engine:MegatronEngine",
-    "vllm": "logra_megatron.rollout.vllm_engine:VLLMEngine",
-}
+def _is_engine(obj) -> Optional[str]:
+    if not isinstance(obj, type):
+        return "an engine is a class, constructed as Engine(model, **options)"
+    missing = [name for name in ("generate", "sync_weights") if not hasattr(obj, name)]
+    return f"the class lacks {', '.join(missing)} (rollout/engine.py: RolloutEngine)" if missing else None
+
+
+ROLLOUT_ENGINES = Registry("rollout engine", "--rollout-engine", accepts=_is_engine)
 """``--rollout-engine`` name -> ``"module:Class"``; ``Class(model, **options)`` is an engine that
 samples from ``model``. Named by path, not imported here: the config schema reads the names, and
-only the chosen engine's module (and its dependencies, vLLM for instance) is ever imported."""
-
-ENGINE_REQUIREMENTS: Dict[str, Tuple[str, str]] = {
-    "vllm": ("vllm", "pip install -e .[rollout]"),
-}
-"""``--rollout-engine`` name -> (Python package it needs, how to install it)."""
-
+only the chosen engine's module (and its dependencies, vLLM for instance) is ever imported. Outside
+code comes by ``package.module:Class``. ``requires``: (the Python package it needs, how to install
+it), checked without importing it."""
+ROLLOUT_ENGINES.register("megatron", "logra_megatron.rollout.megatron_engine:MegatronEngine",
+                         help="KV-cache generation on the trainer's own model")
+ROLLOUT_ENGINES.register("vllm", "logra_megatron.rollout.vllm_engine:VLLMEngine",
+                         help="a vLLM engine on each replica's first rank, in-process in a one-process job, sent the "
+                              "weights after every step; pip install -e .[rollout]; on CPU a preset's heads narrower "
+                              "than 32 are widened to 32",
+                         requires=("vllm", "pip install -e .[rollout]"))
 
 def check_engine_available(name: str) -> None:
     """A one-line :class:`UserError` saying how to install what engine ``name`` needs when that
     package is missing. Looks the package up without importing it (importing vLLM takes seconds)."""
-    if name not in ENGINE_REQUIREMENTS:
+    entry = ROLLOUT_ENGINES.declared(name)
+    if entry is None or "requires" not in entry.info:
         return
-    package, install = ENGINE_REQUIREMENTS[name]
+    package, install = entry.info["requires"]
     try:
         found = importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
@@ -73,9 +81,6 @@ def build_rollout_engine(name: str, model, **options) -> RolloutEngine:
     passes the same options whichever engine is chosen. Building imports nothing the engine
     needs beyond this package (vLLM is imported when the engine first runs);
     :func:`check_engine_available` is the early check."""
-    if name not in ROLLOUT_ENGINES:
-        raise UserError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ROLLOUT_ENGINES)}")
-    module, cls = ROLLOUT_ENGINES[name].split(":")
-    engine_class = getattr(importlib.import_module(module), cls)
+    engine_class = ROLLOUT_ENGINES.get(name)
     accepted = inspect.signature(engine_class).parameters
     return engine_class(model, **{key: value for key, value in options.items() if key in accepted})

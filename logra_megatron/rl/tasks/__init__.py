@@ -12,7 +12,7 @@ the prompt records every source yields and the :class:`TaskSource` interface.
 from logra_megatron.rl.tasks.arithmetic import (ARITHMETIC_TASK, TOKENIZER_CORPUS_SAMPLES, TOKENIZER_CORPUS_TASK,
                                                 ArithmeticTaskConfig, ArithmeticTasks, tokenizer_corpus)
 from logra_megatron.rl.tasks.base import BOXED_INSTRUCTION, PROVIDES_ANSWER, PROVIDES_TESTS, TaskSource
-from logra_megatron.rl.tasks.config import TASK_NAMES, TaskConfig, build_task_source, check_task_name, make_tasks
+from logra_megatron.rl.tasks.config import TASK_NAMES, TASKS, TaskConfig, build_task_source, check_task_name, make_tasks
 from logra_megatron.rl.tasks.humaneval import HUMANEVAL_TASK, HumanEvalTasks
 from logra_megatron.rl.tasks.jsonl import JSONL_PREFIX, JsonlTasks
 from logra_megatron.rl.tasks.reasoning_gym_source import (REASONING_GYM_TASKS, WITHOUT_REFERENCE_ANSWERS,
@@ -23,6 +23,6 @@ __all__ = [
     "ARITHMETIC_TASK", "BOXED_INSTRUCTION", "HUMANEVAL_TASK", "JSONL_PREFIX", "PROVIDES_ANSWER", "PROVIDES_TESTS",
     "REASONING_GYM_TASKS", "TASK_NAMES", "TOKENIZER_CORPUS_SAMPLES", "TOKENIZER_CORPUS_TASK",
     "WITHOUT_REFERENCE_ANSWERS", "ArithmeticTaskConfig", "ArithmeticTasks", "HumanEvalTasks", "JsonlTasks",
-    "ReasoningGymTasks", "TaskConfig", "TaskSource", "build_task_source", "check_task_name", "in_held_out_split",
+    "ReasoningGymTasks", "TASKS", "TaskConfig", "TaskSource", "build_task_source", "check_task_name", "in_held_out_split",
     "make_tasks", "tokenizer_corpus",
 ]

