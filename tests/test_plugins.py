@@ -18,7 +18,7 @@ import pytest
 from dist_harness import REPO
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import Registry
+from logra_megatron.registry import Registry
 
 PLUGINS = REPO / "tests" / "plugins"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(PLUGINS)]))

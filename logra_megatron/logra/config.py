@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import Registry, json_object_text, option
+from logra_megatron.registry import Registry
+from logra_megatron.schema import json_object_text, option
 
 # The default rank: half of each weight's projected dimension, at most 256. Chosen with the memory
 # planner (docs/OPTIMIZER.md, "The default rank"): the fraction alone gives r = 2560 on qwen2.5-32b, where

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from logra_megatron.errors import UserError
-from logra_megatron.schema import Registry
+from logra_megatron.registry import Registry
 
 
 @dataclass(frozen=True)

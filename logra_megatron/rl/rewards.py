@@ -62,7 +62,8 @@ from logra_megatron.errors import UserError
 from logra_megatron.rl.sandbox import SandboxLimits, SandboxResult, run_program
 from logra_megatron.rl.tasks.base import PROVIDES_ANSWER, PROVIDES_TESTS
 from logra_megatron.rl.tasks.reasoning_gym_source import REASONING_GYM, REASONING_GYM_TASKS, provides_key
-from logra_megatron.schema import Registry, option
+from logra_megatron.registry import Registry
+from logra_megatron.schema import option
 
 RewardFn = Callable[[dict, str], float]
 

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
 
 from logra_megatron.errors import UserError
 from logra_megatron.rollout.types import Rollouts, SamplingConfig
-from logra_megatron.schema import Registry
+from logra_megatron.registry import Registry
 
 
 @runtime_checkable

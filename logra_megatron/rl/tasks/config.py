@@ -30,7 +30,8 @@ from logra_megatron.rl.tasks.base import TaskSource
 from logra_megatron.rl.tasks.humaneval import HUMANEVAL_TASK, HumanEvalTasks, humaneval_data_path
 from logra_megatron.rl.tasks.jsonl import JSONL_PREFIX, JsonlTasks, check_jsonl_path
 from logra_megatron.rl.tasks.reasoning_gym_source import REASONING_GYM_TASKS, ReasoningGymTasks, parse_task_options
-from logra_megatron.schema import BadValue, Registry, option
+from logra_megatron.registry import Registry
+from logra_megatron.schema import BadValue, option
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "none")
 
