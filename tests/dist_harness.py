@@ -15,7 +15,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
+def process_children() -> dict:
+    """``{parent pid: [child pids]}`` of every live process (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def descendants(root: int) -> list:
+    """The pids of ``root``'s children, their children, ... (torchrun starts its ranks in
+    sessions of their own, so a process group does not reach them)."""
+    children = process_children()
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -31,7 +57,7 @@ def run_workers(worker: str, nproc: int, out_dir, args=(), timeout: int = 900) -
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(REPO / "tests" / "workers" / worker), "--out", str(out_dir), *map(str, args),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_harness import REPO
+from dist_harness import REPO, descendants
 from test_train import assert_not_degenerate, assert_same_weights, metrics, saved_weights
 
 from logra_megatron.faults import KILL_AT_ENV, KILL_SIGNAL_ENV
@@ -49,25 +49,6 @@ def train(args, signal_at=None, nproc=1, timeout=300):
         stdout, stderr = proc.communicate()
         stderr += f"\n(killed after {timeout} s)"
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def descendants(root: int) -> list:
-    """The pids of ``root``'s children, their children, ... (from /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.append(child)
-            frontier.append(child)
-    return found
 
 
 def iterations(root):

@@ -6,6 +6,7 @@ import re
 import time
 
 import pytest
+from dist_harness import process_children
 
 from logra_megatron.errors import UserError
 from logra_megatron.rl.reward_runner import RewardRunner
@@ -35,17 +36,7 @@ def misbehaving_reward(record, text):
 
 def reward_workers() -> list:
     """Pids of this process's live reward workers."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == os.getpid():
-                children.append(int(entry))
-    return children
+    return process_children().get(os.getpid(), [])
 
 
 @pytest.fixture

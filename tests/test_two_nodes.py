@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import REPO
+from dist_harness import REPO, descendants, free_port
 
 from logra_megatron.checkpoint_layout import TRACKER_FILE, incomplete_reason, iteration_dir, iterations
 from logra_megatron.rl.checkpointing import SHARED_CHECK_PREFIX, shared_checkpoint_problem
@@ -39,33 +38,8 @@ TRAIN = ["--tensor-model-parallel-size", "2", "--warmup-iters", "3", "--train-it
          "--no-progress"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _descendants(root: int) -> list:
-    """The pids below ``root`` (torchrun starts its ranks in sessions of their own)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.append(child)
-            frontier.append(child)
-    return found
-
-
 def _kill(proc) -> None:
-    for pid in [*_descendants(proc.pid), proc.pid]:
+    for pid in [*descendants(proc.pid), proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -93,7 +67,7 @@ def two_nodes(module: str, args, cwds, logs) -> Nodes:
     """``python -m torch.distributed.run --nnodes 2 --node-rank N --nproc-per-node 2 --rdzv-backend c10d
     --rdzv-endpoint 127.0.0.1:PORT -m module args`` once per node, node N in ``cwds[N]``; waits for
     both, kills both (and their ranks) when time runs out or a node hangs on after the other failed."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     os.makedirs(logs, exist_ok=True)
     procs, files = [], []
