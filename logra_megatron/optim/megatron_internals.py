@@ -6,13 +6,17 @@ Read from megatron-core 0.16.1 (``megatron/core/optimizer/optimizer.py``,
 - name the fp32 *main* parameters an optimizer updates (the KL controller keeps copies of them
   around a proposed step, and previews an interpolation of the two);
 - publish the main parameters to the model's parameters outside of its own ``step`` (what a
-  preview and an undone step need: Megatron does it at the end of ``step_with_ready_grads``).
+  preview and an undone step need: Megatron does it at the end of ``step_with_ready_grads``);
+- load a distributed optimizer's checkpoint at another layout with torch's Adam (no Apex or
+  Transformer Engine), which megatron-core 0.16.1 cannot do as it stands (see
+  :func:`loading_distributed_adam_state`).
 
 Everything else (grad norm, clip, zero counts, state dicts, ``reload_model_params``) goes
 through the public ``MegatronOptimizer`` API. When megatron-core is upgraded, this file is the
 one to re-read.
 """
 
+import contextlib
 from typing import List
 
 import torch
@@ -57,3 +61,65 @@ def publish_main_params(optimizer: MegatronOptimizer) -> None:
     if isinstance(optimizer, DistributedOptimizer):
         for chunk in optimizer.model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+
+DISTRIBUTED_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""The ``metadata`` of ``sharded_state_dict`` that lays out the distributed optimizer's state
+(``--use-distributed-optimizer``) per parameter, like a plain optimizer's (gathered over DP on
+the save), so that it loads at any TP/PP/DP: Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``.
+megatron-core's default (``fully_sharded_model_space``) is refused by its own ``ShardedTensor``
+("flattened_range is not supported"), and ``dp_reshardable`` reshards over DP only. The other
+optimizers ignore it."""
+
+
+@contextlib.contextmanager
+def loading_distributed_adam_state(optimizer: MegatronOptimizer):
+    """Around building a load request for ``optimizer``'s checkpoint (with
+    :data:`DISTRIBUTED_CHECKPOINT_METADATA`) and its ``load_state_dict``: three gaps of
+    megatron-core 0.16.1's distributed optimizer over torch's Adam are filled.
+
+    - Its ``state_dict`` (part of the request) reads every parameter's Adam ``step``, which a
+      fresh optimizer has none of (an assertion), and its ``load_state_dict`` would allocate the
+      missing state on ``torch.cuda.current_device()``: the state is allocated first (zero
+      moments, step 0; the checkpoint overwrites them). A state already there is kept.
+    - Its fully reshardable loader copies every key of a parameter's Adam state from tensors it
+      built without ``step`` (restored separately, from the param groups): a ``KeyError``. The
+      copy here sees the state without ``step``.
+    - It gives every parameter's state the same ``step`` tensor, which torch's Adam increments in
+      place once per parameter: each gets its own.
+    """
+    parts = [part for part in flatten_chain(optimizer) if isinstance(part, DistributedOptimizer)]
+    for part in parts:
+        inner = part.optimizer
+        for group in inner.param_groups:
+            # torch's own placement of ``step``: on the parameter's device when fused or
+            # capturable, else a CPU scalar.
+            on_device = group.get("fused") or group.get("capturable")
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(
+                        step=torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu"),
+                        exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+        part._set_main_param_and_optimizer_states = _without_step(part, part._set_main_param_and_optimizer_states)
+    try:
+        yield
+    finally:
+        for part in parts:
+            del part._set_main_param_and_optimizer_states  # the class's method again
+            for state in part.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
+def _without_step(part: DistributedOptimizer, original):
+    def set_states(model_param, tensors):
+        group_index, group_order = part.model_param_group_index_map[model_param]
+        state = part.optimizer.state[part.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    return set_states

@@ -33,6 +33,7 @@ from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
 from logra_megatron.checkpoint_layout import atomic_write_text, partial_dir, publish, remove_partials
 from logra_megatron.errors import UserError, one_line
 from logra_megatron.faults import kill_point
+from logra_megatron.optim.megatron_internals import DISTRIBUTED_CHECKPOINT_METADATA, loading_distributed_adam_state
 
 TRAINER_STATE_FILE = "trainer_state.json"
 TOKENIZER_DIR = "tokenizer"
@@ -54,7 +55,9 @@ def optimizer_compatibility(config) -> dict:
 
 
 def _optimizer_sharded(model, optimizer, is_loading=False):
-    return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading)
+    # Megatron's distributed optimizer saved per parameter: loadable at any TP/PP/DP.
+    return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading,
+                                        metadata=DISTRIBUTED_CHECKPOINT_METADATA)
 
 
 def save_training_state(root: str, model, optimizer, model_config, state: dict, compatibility: dict,
@@ -213,9 +216,10 @@ def load_training_state(directory: str, model, optimizer, compatibility: dict, l
         raise UserError(f"checkpoint {directory} was written with {theirs}, this run has {ours}: resume with "
                         "the checkpoint's settings, or add --no-load-optim to start from its weights with "
                         "fresh optimizer state")
-    loaded = _load(directory, model, {"optimizer": _optimizer_sharded(model, optimizer, True)})
     try:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with loading_distributed_adam_state(optimizer):
+            loaded = _load(directory, model, {"optimizer": _optimizer_sharded(model, optimizer, True)})
+            optimizer.load_state_dict(loaded["optimizer"])
     except (KeyError, RuntimeError, ValueError) as error:
         raise UserError(f"checkpoint {directory}: its optimizer state does not fit this optimizer "
                         f"({type(error).__name__}: {_first_line(error)}); add --no-load-optim to load the "
