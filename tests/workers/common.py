@@ -37,3 +37,10 @@ class Checks:
     def save(self):
         path = Path(self.args.out) / f"rank{self.rank}.json"
         path.write_text(json.dumps(self.results, default=float))
+
+
+def max_rel(a: dict, b: dict):
+    """The largest relative error ``|a - b| / |b|`` over the tensors of ``b`` (by name), and whose."""
+    errors = {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst

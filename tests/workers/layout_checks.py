@@ -22,7 +22,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import torch
-from common import Checks
+from common import Checks, max_rel
 
 from logra_megatron import parallel
 from logra_megatron.checkpoint_layout import iteration_dir
@@ -79,12 +79,6 @@ def compatibility(kind):
 def real_rows(state: dict) -> dict:
     """Full tensors with the vocabulary padding (its size depends on TP) cut off."""
     return {k: (v[:MODEL.vocab] if k in VOCAB_WEIGHTS else v).clone() for k, v in state.items()}
-
-
-def max_rel(a: dict, b: dict):
-    errors = {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
-    worst = max(errors, key=errors.get)
-    return errors[worst], worst
 
 
 def main():

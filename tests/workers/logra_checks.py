@@ -9,7 +9,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from common import Checks
+from common import Checks, max_rel
 
 from logra_megatron import parallel
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -37,12 +37,6 @@ def gathered_sketches(model, optimizer):
     for entry in optimizer.weights:
         out[entry.name] = gather_full(entry.sketch.sketch, entry.weight, entry.name)
     return out
-
-
-def max_rel(a: dict, b: dict):
-    errors = {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
-    worst = max(errors, key=errors.get)
-    return errors[worst], worst
 
 
 def main():
