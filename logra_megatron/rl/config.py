@@ -167,11 +167,9 @@ class ModelSourceConfig:
                                                            "e.g. 2 on the tiny preset)")
     num_query_groups: Optional[int] = option(None, help="key/value heads instead of the preset's (default with "
                                                         "--num-attention-heads: as many as heads)")
-    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
-                                    help="core attention of every layer (the policy's and the reference model's): "
-                                         "sdpa (torch's scaled_dot_product_attention: flash / memory-efficient "
-                                         "kernels on CUDA, no seq x seq scores in memory), unfused (Megatron's "
-                                         "DotProductAttention), auto (sdpa)")
+    attention_backend: str = option("auto", parse=ATTENTION_BACKENDS.parse,
+                                    help=ATTENTION_BACKENDS.help("core attention of every layer (the policy's and "
+                                                                 "the reference model's)"))
 
     def __post_init__(self):
         if self.fp16:
