@@ -9,7 +9,8 @@ with ``--bf16`` and each ``--logra-master``): ``logra`` (LoGRA with the predicte
 controller), ``adam-kl`` (dense Adam under the same controller: same ``--kl-target``,
 ``--kl-max-scale`` and probe), ``adam`` (dense Adam without control, as users run it),
 ``logra-decay`` (LoGRA with the budget decaying on ``--kl-target-schedule cosine``). Prints
-Markdown tables and writes ``<out-dir>/<name>_parity.json`` and ``<out-dir>/<name>_parity.png``
+Markdown tables and writes ``<out-dir>/<name>_parity.json`` (the tables), ``<out-dir>/<name>_parity_curves.json``
+(each run's per-step reward and accuracy, one line) and ``<out-dir>/<name>_parity.png``
 (training reward and batch accuracy against the RL step: thin per seed, thick the mean; held-out
 accuracy before/after with its interval).
 
@@ -462,15 +463,22 @@ def main(argv=None):
                             for row, by_lr in search.items()},
               "best_lr": best,
               "runs": {row: {seed: {k: v for k, v in run.items() if k != "curves"} for seed, run in by_seed.items()}
-                       for row, by_seed in runs.items()},
-              "curves": {row: {seed: run["curves"] for seed, run in by_seed.items()} for row, by_seed in runs.items()}}
+                       for row, by_seed in runs.items()}}
     json_path = os.path.join(args.out_dir, f"{args.name}_parity.json")
     with open(json_path, "w") as handle:
         json.dump(report, handle, indent=1)
+    written = [json_path]
+    if any(runs.values()):
+        # The per-step curves (what the plot draws): a file of their own, one line, so that the
+        # tables stay a short file to read and diff (docs/results/README.md).
+        curves_path = os.path.join(args.out_dir, f"{args.name}_parity_curves.json")
+        with open(curves_path, "w") as handle:
+            json.dump({row: {seed: run["curves"] for seed, run in by_seed.items()} for row, by_seed in runs.items()},
+                      handle)
+        written.append(curves_path)
     sections = []
     if search:
         sections.append(search_markdown(search, best))
-    written = [json_path]
     if any(runs.values()):
         for row, pool in table.items():  # a seeded row not at its search's best lr is pointed out
             if best.get(row) is not None and pool["peak_lr"] and any(
