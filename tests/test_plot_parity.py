@@ -60,6 +60,11 @@ def test_table_and_json_from_runs(tmp_path, capsys):
     assert report["rows"]["logra"]["state_bytes"] == 403  # the largest measured, not the first
     assert report["runs"]["adam"]["1"]["rl_steps"] == 4  # warm-up rows are not RL steps
     assert (tmp_path / "out" / "toy_parity.png").stat().st_size > 10_000
+    # the per-step curves in a file of their own, one line; the tables' file without them
+    curves_text = (tmp_path / "out" / "toy_parity_curves.json").read_text()
+    curves = json.loads(curves_text)
+    assert "\n" not in curves_text.strip() and "curves" not in report
+    assert curves["adam"]["1"]["step"] == [0, 1, 2, 3] and len(curves["adam"]["2"]["reward"]) == 4
 
 
 def test_unfinished_run_is_one_error_line(tmp_path, capsys):
