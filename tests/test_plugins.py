@@ -101,17 +101,22 @@ def test_a_bad_plugin_ends_the_trainer_with_one_line_and_exit_2():
 
 
 def test_the_help_is_generated_from_the_registries():
-    from logra_megatron.logra.config import UPDATE_RULES
-    from logra_megatron.rl.rewards import REWARDS
-    from logra_megatron.rl.tasks import TASKS
-
     proc = subprocess.run([sys.executable, "-m", "logra_megatron.train", "--help"], capture_output=True, text=True,
                           env=dict(ENV, COLUMNS="10000"), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     blocks = re.split(r"\n  (?=-)", proc.stdout)  # one block per flag: its line(s) and its help
     help_of = {block.split()[0]: " ".join(block.split()) for block in blocks if block.startswith("--")}
-    for flag, registry in (("--task", TASKS), ("--reward", REWARDS), ("--logra-update", UPDATE_RULES)):
-        names = registry.names(listed_only=True)
+    # The registries as a fresh process fills them (other tests in this process register more).
+    listed = subprocess.run([sys.executable, "-c", (
+        "import json\n"
+        "from logra_megatron.logra.config import UPDATE_RULES\n"
+        "from logra_megatron.rl.rewards import REWARDS\n"
+        "from logra_megatron.rl.tasks import TASKS\n"
+        "print(json.dumps({flag: list(registry.names(listed_only=True)) for flag, registry in "
+        "(('--task', TASKS), ('--reward', REWARDS), ('--logra-update', UPDATE_RULES))}))")],
+        capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    for flag, names in json.loads(listed.stdout).items():
         assert len(names) >= 2
         for name in names:
             assert f"{name} (" in help_of[flag], (flag, name)
