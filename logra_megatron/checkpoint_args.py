@@ -43,11 +43,6 @@ _FIXED = (
 )
 
 
-def is_megatron_lm_checkpoint(directory: str) -> bool:
-    """A torch_dist checkpoint directory (its common state) that holds Megatron-LM's ``args``."""
-    return read_checkpoint_args(directory) is not None
-
-
 def read_checkpoint_args(directory: str) -> Optional[argparse.Namespace]:
     """The ``args`` namespace of a torch_dist checkpoint's common state, or None when there is
     no common state or no args in it."""
