@@ -28,7 +28,9 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    from zero KL grows slower than quadratically (measured on ``tiny``: KL(D) was 0.10 where the
    quadratic extrapolation of small steps gave 0.72), so ``probe`` mode re-forecasts at ``s D`` and
    rescales with the locally measured growth exponent while the forecast misses the target by
-   more than ``tolerance`` (at most ``max_refinements`` extra forecasts).
+   more than ``tolerance`` (at most ``max_refinements`` extra forecasts). The exponent measured
+   last carries to the next step's first rescale (``s = (kl_target / KL_pred)^(1/e)``), which
+   saves a re-forecast whenever the regime holds (``growth_exponent``, checkpointed).
    With ``--kl-subtract-mismatch`` the target is a budget: ``kl_target`` minus an EMA of the
    KL between the rollout engine's sampling distribution and the trainer's (observed on the
    batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
@@ -146,6 +148,11 @@ class PredictedKLController:
         """Controlled steps taken (it decides the steps that measure the realized KL)."""
         self.mismatch: Optional[float] = None
         """EMA of the observed engine-vs-trainer KL (``--kl-subtract-mismatch``; None: none seen)."""
+        self.growth_exponent = 2.0
+        """probe mode: how KL grew with the step size at the last two forecasts that measured it
+        (2 near zero, towards 1 for large steps). The first rescale of the next step uses it: the
+        regime changes slowly from step to step, so a step that needs rescaling usually lands
+        within tolerance at its first re-forecast instead of its second (docs/KL_CONTROL.md)."""
 
     def schedule(self) -> dict:
         """The budget's schedule as a checkpoint records it."""
@@ -157,7 +164,8 @@ class PredictedKLController:
         """What a checkpoint keeps (rl/checkpointing.py): the step counter that decides which
         steps measure the realized KL, the mismatch's EMA and the budget's schedule (the
         iteration is the trainer's step, saved beside it)."""
-        return {"steps": self.steps, "mismatch": self.mismatch, "schedule": self.schedule()}
+        return {"steps": self.steps, "mismatch": self.mismatch, "schedule": self.schedule(),
+                "growth_exponent": self.growth_exponent}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint's counters. A scheduled budget continues exactly only with the
@@ -172,6 +180,7 @@ class PredictedKLController:
         self.steps = int(state.get("steps", 0))
         mismatch = state.get("mismatch")
         self.mismatch = None if mismatch is None else float(mismatch)
+        self.growth_exponent = float(state.get("growth_exponent", 2.0))  # absent in older checkpoints
 
     def set_iteration(self, iteration: int) -> None:
         """The RL iteration (0-based) whose optimizer steps come next: it places the budget on
@@ -300,11 +309,15 @@ class PredictedKLController:
         return float(getattr(optimizer, "kl_max_scale", 1.0))
 
     def _scale_for(self, kl: float, max_scale: Optional[float] = None) -> float:
+        """The scale of ``D`` whose KL meets the budget, from the forecast ``kl`` of ``D``: KL grows
+        as ``s^2`` (``linear`` mode, by construction), or as ``s^e`` with the growth exponent
+        measured last (``probe`` mode)."""
         if max_scale is None:
             max_scale = self.max_scale(None)
         if kl <= 0:
             return max_scale
-        return min(max_scale, math.sqrt(self.budget() / kl))
+        exponent = self.growth_exponent if self.config.mode == "probe" else 2.0
+        return min(max_scale, (self.budget() / kl) ** (1.0 / exponent))
 
     def _refine(self, model, optimizer, probe, scale: float, kl_full: float, base: Optional[list] = None) -> float:
         """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
@@ -314,14 +327,13 @@ class PredictedKLController:
         previous_scale, previous_kl = 1.0, kl_full
         for _ in range(config.max_refinements):
             kl = self.kl(model, optimizer, probe, scale, base)
-            if kl <= config.tolerance * budget:
-                return scale
-            exponent = 2.0
             if kl > 0 and previous_kl > 0 and previous_scale != scale and previous_kl != kl:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
-                exponent = min(2.0, max(1.0, exponent))
+                self.growth_exponent = min(2.0, max(1.0, exponent))
+            if kl <= config.tolerance * budget:
+                return scale
             previous_scale, previous_kl = scale, kl
-            scale *= (budget / kl) ** (1.0 / exponent)
+            scale *= (budget / kl) ** (1.0 / self.growth_exponent)
         return scale
 
     # --- the controlled step --------------------------------------------------------------------
