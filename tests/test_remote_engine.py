@@ -2,7 +2,12 @@
 echo_worker.py), outside the package, built on logra_megatron/rollout/remote_engine.py and
 chosen by ``module:attr``. Run by a trainer on 2 ranks (TP=2) in tests/workers/echo_engine_checks.py:
 the base delivers the full and the low-rank syncs to the worker under Hugging Face names, and
-broadcasts the engine's rows to both ranks."""
+broadcasts the engine's rows to both ranks. The trainer takes it by ``--rollout-engine`` alone."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +52,18 @@ def test_every_rank_gets_the_engines_rows(results):
     assert first["rows_after"] == second["rows_after"]
     assert len(first["rows_before"]) == 6 and all(first["rows_before"])
     assert first["rows_after"] != first["rows_before"]  # the worker samples from the synced weights
+
+
+def test_the_trainer_runs_the_engine_by_flag_only(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(PLUGINS)]))
+    args = ["--rollout-engine", "echo_engine:EchoEngine", "--warmup-iters", "0", "--train-iters", "2",
+            "--eval-prompts", "4", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
+            "--micro-batch-size", "8", "--kl-probe-sequences", "2", "--no-progress", "--output-dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "logra_megatron.train", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["finished"] and summary["steps"] == 2
+    synced = summary["weight_sync"]
+    assert synced["syncs"] == 2 and synced["restarts"] == 0  # one sync after each step, none failed
+    assert synced["bytes"] == 2 * synced["full_sync_bytes"] > 0
