@@ -66,7 +66,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
 # The names this module had before the remote-engine base was split out of it stay importable
-# from here (tests and tools/benchmark_policy_sync.py use them).
+# from here (the vLLM tests import rollouts_from_completions from this module).
 from logra_megatron.rollout.remote_engine import (  # noqa: F401
     COMMIT_LOG_LIMIT, MIB, POLICY_SYNCS, RemoteEngine, from_engine_rank, is_engine_rank,
     rollouts_from_completions, weight_buckets)

@@ -25,7 +25,8 @@ class EchoWorker(RemoteWorker):
     def echo_generate(self, prompts, samples, max_new):
         total = sum(float(tensor.abs().sum()) for tensor in self.weights.values())
         salt = int(total * 1e4)  # any change of the weights changes every row
-        rows = [[(prompt[-1] + salt + 7 * sample + step) % self.vocab for step in range(1 + (sample + len(prompt)) % max_new)]
+        rows = [[(prompt[-1] + salt + 7 * sample + step) % self.vocab
+                 for step in range(1 + (sample + len(prompt)) % max_new)]  # rows of several lengths
                 for prompt in prompts for sample in range(samples)]
         return rows, [[-1.0] * len(row) for row in rows]
 
