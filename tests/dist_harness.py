@@ -64,9 +64,12 @@ def run_workers(worker: str, nproc: int, out_dir, args=(), timeout: int = 900) -
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise RuntimeError(f"worker {worker} failed with exit code {proc.returncode}:\n{tail}")
-    return {
-        rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)
-    }
+    results = {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)}
+    timings = os.environ.get("LOGRA_CHECK_TIMES")
+    if timings:  # a file that collects each launch's per-check seconds (rank 0's), one JSON line each
+        with open(timings, "a") as out:
+            out.write(json.dumps({"worker": worker, "seconds": results[0].get("_seconds", {})}) + "\n")
+    return results
 
 
 def result(results: dict, name: str, rank: int = 0):

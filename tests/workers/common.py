@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,19 +25,25 @@ class Checks:
         self.args, self.extra = parser.parse_known_args()
         self.rank = int(os.environ.get("RANK", "0"))
         self.results = {}
+        # Wall seconds of each check on this rank, saved under "_seconds": where a module's one
+        # launch spends its time (the suite's budget is kept by trimming the slowest checks).
+        self.seconds = {}
 
     def run(self, name, fn, *args, **kwargs):
+        start = time.perf_counter()
         try:
             self.results[name] = fn(*args, **kwargs)
         except Exception:
             self.results[name] = {"error": traceback.format_exc()}
             if os.environ.get("LOGRA_TEST_FAIL_FAST"):
                 raise
+        finally:
+            self.seconds[name] = round(time.perf_counter() - start, 2)
         return self.results[name]
 
     def save(self):
         path = Path(self.args.out) / f"rank{self.rank}.json"
-        path.write_text(json.dumps(self.results, default=float))
+        path.write_text(json.dumps({**self.results, "_seconds": self.seconds}, default=float))
 
 
 def max_rel(a: dict, b: dict):
