@@ -142,6 +142,34 @@ def add_arguments(parser: argparse.ArgumentParser, section: str, config_class, t
                            help=help_of(item) + shown, metavar=_metavar(item, spec), **common)
 
 
+def add_flags(parser: argparse.ArgumentParser, config_class, *names: str,
+              defaults: Optional[Dict[str, Any]] = None, notes: Optional[Dict[str, str]] = None) -> None:
+    """Declare some of ``config_class``'s options on an entry point other than the trainer (the
+    smoke job, the benchmarks): the trainer's flag, parser, choices and help, so a flag means one
+    thing everywhere. The default is the schema's unless ``defaults`` gives the entry point's own
+    by field name (a benchmark that times control turns it on; one that must cross a refresh
+    sets the interval), and the help then says so (``notes``: how, where the value alone does
+    not). Values land under argparse's usual names (``--logra-master`` -> ``args.logra_master``),
+    set whether given or not."""
+    defaults, notes = defaults or {}, notes or {}
+    fields = {item.name: (item, spec) for item, spec in options_of(config_class)}
+    unknown = [name for name in (*names, *defaults) if name not in fields]
+    if unknown:
+        raise TypeError(f"{config_class.__name__} has no option {', '.join(unknown)}")
+    for name in names:
+        item, spec = fields[name]
+        own = name in defaults
+        default = defaults[name] if own else _default_of(item)
+        note = f" (here: {notes.get(name, default)})" if own else (
+            "" if default in (None, "") else f" (default: {default})")
+        if _base_type(item.type) is bool:
+            action = "store_false" if spec["negative"] else "store_true"
+            parser.add_argument(flag_of(item), action=action, default=default, help=help_of(item) + (note if own else ""))
+            continue
+        parser.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"], default=default,
+                            help=help_of(item) + note, metavar=_metavar(item, spec))
+
+
 def _metavar(item, spec):
     if spec["choices"]:
         return "{" + ",".join(map(str, spec["choices"])) + "}"

@@ -18,11 +18,14 @@ from logra_megatron.cli import ArgumentParser
 from logra_megatron.errors import UserError, exit_on_user_error
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra.config import LogRAConfig, add_rank_arguments, rank_settings
-from logra_megatron.models.config import ATTENTION_BACKENDS, get_preset
+from logra_megatron.models.config import get_preset
 from logra_megatron.training.config import OptimizerSettings
 
 
 def parse_args(argv=None):
+    from logra_megatron import schema
+    from logra_megatron.rl.config import ModelSourceConfig, parse_ckpt_format, parse_transformer_impl
+
     parser = ArgumentParser(prog="logra_megatron.smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="model preset name (default: tiny)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -37,16 +40,12 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", choices=("adam", "logra"), default="adam",
                         help="Megatron dense Adam, or LoGRA sketch-space Adam")
     add_rank_arguments(parser)
-    parser.add_argument("--logra-refresh-interval", type=int, default=10)
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="core attention: sdpa (torch's scaled_dot_product_attention), unfused "
-                             "(Megatron's DotProductAttention), auto (sdpa)")
+    schema.add_flags(parser, LogRAConfig, "refresh_interval")
+    schema.add_flags(parser, ModelSourceConfig, "attention_backend")
     parser.add_argument("--report-json", default=None, metavar="PATH",
                         help="after --train-iters steps, measure one more on every rank (training "
                              "state by component, peak step bytes, bytes passed to each collective "
                              "by TP/PP/DP group) and write all ranks' figures to PATH (rank 0 writes)")
-    from logra_megatron import schema
-    from logra_megatron.rl.config import parse_ckpt_format, parse_transformer_impl
     from logra_megatron.training.config import RecomputeConfig
 
     # Megatron's flags a Megatron command line passes, with the trainer's rules (docs/MEGATRON_FLAGS.md).

@@ -45,16 +45,6 @@ def validate_benchmark_args(args):
     return model, logra
 
 
-def add_attention_backend(parser) -> None:
-    """``--attention-backend``, the trainer's flag (``models/config.py: ATTENTION_BACKENDS``): the
-    core attention of the benchmarked model, the same on every side of a comparison."""
-    from logra_megatron.models.config import ATTENTION_BACKENDS
-
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="core attention: sdpa (torch's scaled_dot_product_attention), unfused "
-                             "(Megatron's DotProductAttention), auto (sdpa)")
-
-
 def child_env() -> dict:
     """The environment of a child run: one thread count for every row (2 unless set)."""
     return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))

@@ -30,9 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import MASTER_MODES, add_rank_arguments  # noqa: E402
-from logra_megatron.training.config import KL_MODES  # noqa: E402
-from _bench_common import (COMPONENTS, add_attention_backend, measure_components, validate_benchmark_args,  # noqa: E402
+from logra_megatron.logra.config import LogRAConfig, add_rank_arguments  # noqa: E402
+from logra_megatron.rl.config import ModelSourceConfig  # noqa: E402
+from logra_megatron.schema import add_flags  # noqa: E402
+from logra_megatron.training.config import KLControlConfig  # noqa: E402
+from _bench_common import (COMPONENTS, measure_components, validate_benchmark_args,  # noqa: E402
                            run_json_child, run_steps)
 
 METRICS = COMPONENTS + ("training_state_bytes", "peak_step_bytes", "peak_rss_untracked_bytes", "step_time_s",
@@ -43,12 +45,11 @@ def parse_args(argv):
     parser = ArgumentParser(prog="benchmark_optimizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
     add_rank_arguments(parser)
-    parser.add_argument("--logra-refresh-interval", type=int, default=10)
-    parser.add_argument("--logra-master", choices=MASTER_MODES, default="fp32")
-    parser.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
+    add_flags(parser, LogRAConfig, "refresh_interval", "master", "embeddings")
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (both sides)")
-    add_attention_backend(parser)
-    parser.add_argument("--kl-control", choices=KL_MODES, default="off", help="KL control on the LoGRA side")
+    add_flags(parser, ModelSourceConfig, "attention_backend")
+    # Memory as users run each optimizer: no KL controller unless asked (on the LoGRA side).
+    add_flags(parser, KLControlConfig, "mode", defaults={"mode": "off"})
     parser.add_argument("--use-distributed-optimizer", action="store_true",
                         help="Megatron's distributed optimizer and LoGRA's ZeRO-1 mode on both sides")
     parser.add_argument("--steps", type=int, default=5)

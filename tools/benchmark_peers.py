@@ -55,6 +55,7 @@ from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.logra.config import MASTER_MODES, LogRAConfig  # noqa: E402
 from logra_megatron.models.config import get_preset  # noqa: E402
+from logra_megatron.schema import add_flags  # noqa: E402
 from _bench_common import (COMPONENTS, measure_components, measure_torch_optimizer,  # noqa: E402
                            run_json_child, run_steps, torchrun_command)
 
@@ -137,7 +138,7 @@ def parse_args(argv):
                                          "or a quarter and a half of the hidden size when that is below 256)")
     parser.add_argument("--logra-masters", default="fp32,none",
                         help="with --bf16: LoGRA's --logra-master modes, one row each (comma-separated)")
-    parser.add_argument("--logra-refresh-interval", type=int, default=10)
+    add_flags(parser, LogRAConfig, "refresh_interval")
     parser.add_argument("--galore-proj-gap", type=int, default=200, help="GaLore's update_proj_gap (its default)")
     parser.add_argument("--galore-scale", type=float, default=0.25, help="GaLore's scale (its recommended value)")
     parser.add_argument("--apollo-proj-gap", type=int, default=200, help="APOLLO's update_proj_gap (its default)")

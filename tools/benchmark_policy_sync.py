@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import add_rank_arguments, rank_settings  # noqa: E402
+from logra_megatron.logra.config import LogRAConfig, add_rank_arguments, rank_settings  # noqa: E402
+from logra_megatron.schema import add_flags  # noqa: E402
 
 SEQUENCES = [[1, 5, 9, 42, 7, 30, 12, 5], [40, 3, 3, 77, 14, 8, 2, 6]]
 
@@ -49,18 +50,17 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=None,
                         help="the tokenizer's vocabulary (default: the preset's); 99 is the embedded default's")
     add_rank_arguments(parser)
-    parser.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding too")
-    parser.add_argument("--refresh-interval", type=int, default=4,
-                        help="steps between projection refreshes (a refresh step syncs in full)")
+    # A short refresh interval: a refresh step syncs in full, so a run of a few steps shows both kinds.
+    add_flags(parser, LogRAConfig, "embeddings", "refresh_interval", defaults={"refresh_interval": 4})
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--bf16", action="store_true", help="bf16 weights and engine")
     parser.add_argument("--engine-process", choices=("in", "separate"), default="in",
                         help="the engine in this process, or in processes of its own (multi-rank jobs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    for name in ("refresh_interval", "steps"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for flag, value in (("--logra-refresh-interval", args.logra_refresh_interval), ("--steps", args.steps)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     return args
 
 
@@ -91,7 +91,7 @@ def run(args) -> dict:
     parallel.initialize(1, 1, seed=1234)
     _model, ddp, optimizer = build_trainable(
         model_config, OptimizerSettings(kind="logra", lr=1e-3, weight_decay=0.01),
-        LogRAConfig(**rank_settings(args), refresh_interval=args.refresh_interval, embeddings=args.logra_embeddings),
+        LogRAConfig(**rank_settings(args), refresh_interval=args.logra_refresh_interval, embeddings=args.logra_embeddings),
         dtype=dtype, seed=3)
     engine = VLLMEngine(ddp, model_config=model_config, vocab_size=vocab, optimizer=optimizer,
                         policy_sync="lowrank", full_sync_interval=10**6, kv_cache_mb=16, max_num_seqs=8)
@@ -125,7 +125,7 @@ def run(args) -> dict:
         "preset": args.preset, "heads": model_config.heads, "vocab": vocab, "rank": args.logra_rank,
         "max_rank": args.logra_max_rank,
         "embeddings_sketched": args.logra_embeddings, "dtype": str(dtype).removeprefix("torch."),
-        "engine_process": args.engine_process, "refresh_interval": args.refresh_interval,
+        "engine_process": args.engine_process, "refresh_interval": args.logra_refresh_interval,
         "weight_bytes": weight_bytes, "steps": rows,
         "full": {"bytes": statistics.mean(row["full_bytes"] for row in rows),
                  "time_s": statistics.median(row["full_time_s"] for row in rows)},

@@ -50,9 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import MASTER_MODES, LogRAConfig, add_rank_arguments  # noqa: E402
-from logra_megatron.training.config import KL_MODES, KLControlConfig  # noqa: E402
-from _bench_common import add_attention_backend, run_json_child, validate_benchmark_args  # noqa: E402
+from logra_megatron.logra.config import LogRAConfig, add_rank_arguments  # noqa: E402
+from logra_megatron.rl.config import ModelSourceConfig  # noqa: E402
+from logra_megatron.schema import add_flags  # noqa: E402
+from logra_megatron.training.config import KLControlConfig  # noqa: E402
+from _bench_common import run_json_child, validate_benchmark_args  # noqa: E402
 
 TOP_PHASES = ("zero_grad", "forward_backward", "optimizer_step")
 OPTIMIZER_PHASES = ("sketch_reduce", "grad_norm", "dense_step", "update_rule", "kl_forecast", "kl_realized",
@@ -68,19 +70,14 @@ def parse_args(argv):
     parser = ArgumentParser(prog="benchmark_step_phases", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
     add_rank_arguments(parser)
-    parser.add_argument("--logra-refresh-interval", type=int, default=None,
-                        help="steps between range-finder refreshes (default: --steps, so one timed step refreshes)")
-    parser.add_argument("--logra-master", choices=MASTER_MODES, default="fp32")
-    parser.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
+    add_flags(parser, LogRAConfig, "refresh_interval", "master", "embeddings", defaults={"refresh_interval": None},
+              notes={"refresh_interval": "--steps, so one timed step refreshes"})
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (both sides)")
-    add_attention_backend(parser)
-    parser.add_argument("--kl-control", choices=KL_MODES, default="probe",
-                        help="KL control on the LoGRA side (default probe, the trainer's); dense Adam runs without")
-    parser.add_argument("--kl-probe-sequences", type=int, default=KLControlConfig().probe_sequences,
-                        help="rows of the batch the forecast runs on (default: the trainer's)")
-    parser.add_argument("--kl-realized-interval", type=int, default=0,
-                        help="measure the realized KL every N controlled steps (default 0: never; the trainer's is "
-                             f"{KLControlConfig().realized_interval})")
+    add_flags(parser, ModelSourceConfig, "attention_backend")
+    # KL control runs on the LoGRA side only (dense Adam runs as users run it: without); the
+    # realized KL is off so every timed step costs the same.
+    add_flags(parser, KLControlConfig, "mode", "probe_sequences", "realized_interval",
+              defaults={"realized_interval": 0})
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=8)
