@@ -32,6 +32,17 @@ class SketchAdamW:
     projections = RANGE_FINDER
     kl_max_scale = 1.0
 
+    @classmethod
+    def state_bytes(cls, slice_numel: int, line_numel: int) -> int:
+        """Two fp32 moments per element of this rank's slice."""
+        return 2 * slice_numel * 4
+
+    @classmethod
+    def update_temporaries(cls, slice_numel: int, line_numel: int):
+        """:meth:`update`: ``sqrt(v)`` and its quotient by the bias correction (two slices at
+        once), the latter kept as the denominator while ``U`` is allocated."""
+        return 2 * slice_numel * 4, slice_numel * 4
+
     def __init__(self, buffer, optimizer_config, logra_config: LogRAConfig):
         numel = buffer.slice_numel
         self.beta1 = optimizer_config.adam_beta1

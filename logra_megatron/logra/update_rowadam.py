@@ -59,6 +59,17 @@ class RowAdam:
     projections = REDRAW
     kl_max_scale = KL_MAX_SCALE
 
+    @classmethod
+    def state_bytes(cls, slice_numel: int, line_numel: int) -> int:
+        """One fp32 second moment per line of every sketch (never sliced: no ZeRO-1)."""
+        return line_numel * 4
+
+    @classmethod
+    def update_temporaries(cls, slice_numel: int, line_numel: int):
+        """:meth:`update`'s per-weight squares, scales and products: at most one sketch's worth
+        at a time, bounded by the whole slice; nothing is left when it returns but ``U``."""
+        return slice_numel * 4, 0
+
     def __init__(self, buffer, optimizer_config, logra_config: LogRAConfig):
         if buffer.zero1:
             raise ValueError("RowAdam keeps per-line state and does not support ZeRO-1 slices")
