@@ -107,13 +107,35 @@ def test_an_outside_rule_trains_by_flag_only(tmp_path):
 
 
 @pytest.mark.parametrize("update", ["adam", "rowadam", RULE])
-def test_the_rule_declarations_the_planner_reads(update, monkeypatch):
+def test_the_planner_reads_each_rules_own_declarations(update, monkeypatch):
     monkeypatch.syspath_prepend(str(PLUGINS))
-    from logra_megatron.logra import update_rules
+    from logra_megatron.logra import update_memory
+    from logra_megatron.logra.config import UPDATE_RULES
 
-    rule = update_rules.rule_class(update)
+    declared = update_memory.declared_memory(update)
+    rule = UPDATE_RULES.get(update)
+    # The package's rules are read from torch-free classes their rule classes inherit (one
+    # declaration each); an outside rule from its own class.
+    assert issubclass(rule, declared)
+    assert (declared is rule) == (update == RULE)
     # Norm probes and range-finder refreshes exactly for range-finder rules; RowAdam redraws.
-    assert update_rules.uses_norm_probes(rule) == update_rules.uses_range_finder(rule) == (update != "rowadam")
-    peak, held = update_rules.update_temporaries(rule, 1000, 10)
-    assert peak > 0 and held >= 0
-    assert update_rules.state_bytes(rule, 1000, 10) == {"adam": 8000, "rowadam": 40, RULE: 4000}[update]
+    assert update_memory.uses_norm_probes(declared) == update_memory.uses_range_finder(declared) == (update != "rowadam")
+    assert update_memory.state_bytes(declared, 1000, 10) == {"adam": 8000, "rowadam": 40, RULE: 4000}[update]
+    peak, held = update_memory.update_temporaries(declared, 1000, 10)
+    assert (peak, held) == {"adam": (8000, 4000), "rowadam": (4000, 0), RULE: (20000, 0)}[update]
+
+
+def test_planning_imports_no_rule_module():
+    """The package's rules are planned from their torch-free declarations: a LoGRA plan loads
+    neither torch nor a rule's module (the planner's command line answers in well under a second)."""
+    script = ("import sys\n"
+              "from logra_megatron.models.config import get_preset\n"
+              "from logra_megatron.logra.config import LogRAConfig\n"
+              "from logra_megatron.planning.plan import plan_memory\n"
+              "from logra_megatron.planning.settings import PlanSettings\n"
+              "for update in ('adam', 'rowadam'):\n"
+              "    plan_memory(PlanSettings(model=get_preset('tiny'), optimizer='logra', logra=LogRAConfig(update=update)))\n"
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('logra_megatron.logra.update_')))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["['logra_megatron.logra.update_memory']"]

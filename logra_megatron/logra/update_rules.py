@@ -12,13 +12,15 @@ the projections and applying ``lr`` and decoupled weight decay to the weights, r
 projections, and checkpointing the rule's state (docs/ALGORITHM.md, "Sketch-space Adam").
 
 A rule also declares the memory it holds, for the planner (logra_megatron/planning), which
-asks the rule class and never its name: :meth:`UpdateRule.state_bytes` (its persistent state),
-:meth:`UpdateRule.update_temporaries` (what :meth:`UpdateRule.update` allocates besides ``U``),
-and through :attr:`UpdateRule.projections` whether the norm probes and the range finder's
-refresh exist at all. The functions below read those declarations, with the defaults a rule
-that declares less gets (:func:`state_bytes`, :func:`update_temporaries`).
+asks the rule and never compares its name: :meth:`UpdateRule.state_bytes` (its persistent
+state), :meth:`UpdateRule.update_temporaries` (what :meth:`UpdateRule.update` allocates besides
+``U``), and through :attr:`UpdateRule.projections` whether the norm probes and the range finder's
+refresh exist at all. ``logra/update_memory.py`` reads those declarations (with the defaults a
+rule that declares less gets) without torch; the package's rules inherit theirs from torch-free
+classes there that their registry lines name (``memory=``), so planning imports no rule module.
 
-Adding a rule is one new file with a class implementing :class:`UpdateRule` and one line in
+Adding a rule is one new file with a class implementing :class:`UpdateRule` (its memory
+declared on the class) and one line in
 :data:`UPDATE_RULES` (declared in ``logra/config.py``, so the flag is read without torch);
 ``LogRAConfig(update=name)`` selects it, and the planner, the measurement
 (``training/measure.py``: the tensors of :meth:`UpdateRule.state` are ``moment_bytes``) and the
@@ -26,19 +28,14 @@ trainer take it from there. A rule outside the package needs no line anywhere:
 ``--logra-update package.module:Class`` imports it (tests/plugins/muon_like.py).
 """
 
-from typing import Dict, Protocol, Tuple, Type
+from typing import Dict, Protocol, Tuple
 
 import torch
 
 from logra_megatron.logra.config import UPDATE_RULES
-from logra_megatron.logra.refresh import RANGE_FINDER, REDRAW
-from logra_megatron.logra.sketch_buffer import ELEMENT, LINE
+from logra_megatron.logra.update_memory import ELEMENT, LINE, RANGE_FINDER, REDRAW
 
-__all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "REDRAW", "rule_class", "state_bytes",
-           "update_temporaries", "uses_norm_probes", "uses_range_finder"]
-
-STATE_ELEMENT_BYTES = 4
-"""What :func:`state_bytes` assumes of a rule that does not declare it: fp32 state tensors."""
+__all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "REDRAW"]
 
 
 class UpdateRule(Protocol):
@@ -76,7 +73,7 @@ class UpdateRule(Protocol):
     def state_bytes(cls, slice_numel: int, line_numel: int) -> int:
         """Bytes of the rule's state on one rank (what :meth:`state` returns once constructed),
         for a buffer whose slice has ``slice_numel`` elements and whose sketches have
-        ``line_numel`` lines in all. Optional: without it, :func:`state_bytes` counts one fp32
+        ``line_numel`` lines in all. Optional: without it, ``update_memory.state_bytes`` counts one fp32
         tensor per name in :attr:`state_names`, of the length :attr:`state_layout` says."""
 
     @classmethod
@@ -118,41 +115,3 @@ class UpdateRule(Protocol):
     def load_counters(self, counters: Dict[str, int]) -> None:
         """Restore from a dict holding (at least) the names :meth:`counters` returns."""
 
-
-def rule_class(name: str) -> Type:
-    """The rule class ``--logra-update name`` selects (a registered name or
-    ``package.module:Class``), imported on first use."""
-    return UPDATE_RULES.get(name)
-
-
-def state_bytes(rule: Type, slice_numel: int, line_numel: int) -> int:
-    """The rule's state bytes on one rank as it declares them (:meth:`UpdateRule.state_bytes`),
-    or one fp32 tensor per state name for a rule that declares only its layout."""
-    declared = getattr(rule, "state_bytes", None)
-    if declared is not None:
-        return int(declared(slice_numel, line_numel))
-    length = line_numel if rule.state_layout == LINE else slice_numel
-    return len(rule.state_names) * length * STATE_ELEMENT_BYTES
-
-
-def update_temporaries(rule: Type, slice_numel: int, line_numel: int) -> Tuple[int, int]:
-    """``(peak, held)`` as the rule declares them (:meth:`UpdateRule.update_temporaries`), or
-    ``(0, 0)``: a rule that declares nothing is planned as writing ``U`` directly."""
-    declared = getattr(rule, "update_temporaries", None)
-    if declared is None:
-        return 0, 0
-    peak, held = declared(slice_numel, line_numel)
-    return int(peak), int(held)
-
-
-def uses_norm_probes(rule: Type) -> bool:
-    """Whether the optimizer estimates the gradient outside the sketch with norm probes for this
-    rule: not under :data:`REDRAW`, whose fresh Rademacher sketch's norm is itself an unbiased
-    estimate of the gradient's (logra/sketch_optimizer.py builds no estimator then)."""
-    return rule.projections != REDRAW
-
-
-def uses_range_finder(rule: Type) -> bool:
-    """Whether refresh steps run the range finder (its test matrices and samples live through
-    that step's backward): :data:`RANGE_FINDER` rules only."""
-    return rule.projections == RANGE_FINDER

@@ -58,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
+from logra_megatron.logra import update_memory
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
@@ -287,37 +288,29 @@ def sketch_rank(settings: PlanSettings, param: Parameter) -> int:
     return settings.logra.rank_for(param.projected_dim, param.name)
 
 
-def _update_rules():
-    """logra/update_rules.py, where the update rule's memory is declared. Imported when a LoGRA
-    plan asks, not at the top: the rule classes load torch and megatron-core, which reading the
-    planner's flags and planning a dense optimizer do not need."""
-    from logra_megatron.logra import update_rules
-
-    return update_rules
-
-
 def update_rule(settings: PlanSettings):
-    """The class ``--logra-update`` names (a registered rule or ``package.module:Class``)."""
-    return _update_rules().rule_class(settings.logra.update)
+    """What ``--logra-update``'s rule declares of its memory (logra/update_memory.py: a torch-free
+    class for the package's rules, the rule class itself for an outside one)."""
+    return update_memory.declared_memory(settings.logra.update)
 
 
 def norm_probes(settings: PlanSettings) -> int:
     """Norm probes per sketched weight: none with the identity projection (the sketch is the
     gradient) or for a rule that declares it does without them."""
     logra = settings.logra
-    if logra.identity_projection or not _update_rules().uses_norm_probes(update_rule(settings)):
+    if logra.identity_projection or not update_memory.uses_norm_probes(update_rule(settings)):
         return 0
     return logra.norm_probes
 
 
 def update_rule_state_bytes(settings: PlanSettings, slice_numel: int, line_numel: int) -> int:
     """The update rule's state on one rank, as the rule declares it."""
-    return _update_rules().state_bytes(update_rule(settings), slice_numel, line_numel)
+    return update_memory.state_bytes(update_rule(settings), slice_numel, line_numel)
 
 
 def update_rule_temporaries(settings: PlanSettings, slice_numel: int, line_numel: int) -> Tuple[int, int]:
     """``(peak, held)`` bytes of the update rule's step besides ``U``, as the rule declares them."""
-    return _update_rules().update_temporaries(update_rule(settings), slice_numel, line_numel)
+    return update_memory.update_temporaries(update_rule(settings), slice_numel, line_numel)
 
 
 def sketch_lines(settings: PlanSettings, stage: int) -> int:
@@ -514,7 +507,7 @@ def refresh_step_bytes(settings: PlanSettings, stage: int) -> int:
     per sketched weight a Gaussian test matrix (the non-projected side x (rank + oversampling))
     and the range sample (projected side x the same columns)."""
     total = 0
-    if settings.logra.identity_projection or not _update_rules().uses_range_finder(update_rule(settings)):
+    if settings.logra.identity_projection or not update_memory.uses_range_finder(update_rule(settings)):
         return 0  # never refreshed, or a rule that redraws its projections without a range finder
     for param in parameter_shapes(settings, stage):
         if param.sketch_side is None:
