@@ -84,6 +84,11 @@ def test_the_live_state_of_an_outside_rule_is_what_the_plan_counts(monkeypatch):
     # the rule's share of moment_bytes, planned: what it holds (the rest is the dense remainder's Adam)
     as_adam = stage_state(settings.with_changes(logra=LogRAConfig(rank=16, update="adam")), 0)
     assert as_adam["moment_bytes"] - planned["moment_bytes"] == held
+    # and logra/accounting.py, the trainer's summary of a built model, counts the same declaration
+    from logra_megatron.logra.accounting import state_bytes
+
+    accounted = state_bytes(model, logra)["logra"].optimizer_state_bytes
+    assert state_bytes(model, LogRAConfig(rank=16, update="adam"))["logra"].optimizer_state_bytes - accounted == held
 
 
 def test_an_outside_rule_trains_by_flag_only(tmp_path):
