@@ -85,7 +85,7 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
     for name, module, side in sketchable.values():
         out_features, in_features = module.weight.shape
         projected = in_features if side == RIGHT else out_features
-        rank = projected if logra_config.identity_projection else logra_config.rank_for(projected, name)
+        rank = logra_config.sketch_rank(projected, name)
         rows, cols = LinearSketch.sketch_shape(side, out_features, in_features, rank)
         sketch_numel += rows * cols
         projection_numel += projected * rank

@@ -166,6 +166,11 @@ class LogRAConfig:
             )
         return self.rank
 
+    def sketch_rank(self, projected_dim: int, weight_name: str) -> int:
+        """The rank a weight is sketched at, as the planner and the accounting count it: the whole
+        projected dimension under the identity projection (which the sketch buffer requires of
+        ``rank``), else :meth:`rank_for`."""
+        return projected_dim if self.identity_projection else self.rank_for(projected_dim, weight_name)
 
     def check_model(self, model) -> None:
         """Raise a :class:`UserError` now if the rank does not fit the model (a ModelConfig).

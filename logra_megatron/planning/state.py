@@ -282,10 +282,8 @@ def _sketch_numel(param: Parameter, rank: int) -> int:
 
 
 def sketch_rank(settings: PlanSettings, param: Parameter) -> int:
-    """The LoGRA rank of a sketched weight (logra/config.py: ``rank_for``)."""
-    if settings.logra.identity_projection:
-        return param.projected_dim
-    return settings.logra.rank_for(param.projected_dim, param.name)
+    """The LoGRA rank of a sketched weight (logra/config.py: ``sketch_rank``)."""
+    return settings.logra.sketch_rank(param.projected_dim, param.name)
 
 
 def update_rule(settings: PlanSettings):
