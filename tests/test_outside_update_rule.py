@@ -19,13 +19,15 @@ FP32 = 4
 
 
 def _plan(update: str) -> dict:
-    """Stage 0's planned components of tiny under LoGRA with ``update``, from the command line.
-    No norm probes, so ``sketch_bytes`` is the flat sketch buffer alone (the rule's slice)."""
+    """Stage 0's planned components of tiny under LoGRA with ``update``, from the command line,
+    and its step's optimizer-phase peak. No norm probes, so ``sketch_bytes`` is the flat sketch
+    buffer alone (the rule's slice)."""
     proc = subprocess.run([sys.executable, "tools/plan_memory.py", "--preset", "tiny", "--optimizer", "logra",
                            "--logra-update", update, "--logra-norm-probes", "0", "--logra-rank", "16", "--json"],
                           capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)["plans"]["logra"]["stages"][0]["components"]
+    stage = json.loads(proc.stdout)["plans"]["logra"]["stages"][0]
+    return dict(stage["components"], optimizer_peak_bytes=stage["step"]["optimizer_peak_bytes"])
 
 
 def test_the_planner_counts_the_state_an_outside_rule_declares(monkeypatch):
@@ -40,6 +42,14 @@ def test_the_planner_counts_the_state_an_outside_rule_declares(monkeypatch):
     dense = adam["moment_bytes"] - 2 * slice_numel * FP32
     assert muon["moment_bytes"] - dense == muon_like.MuonLike.state_bytes(slice_numel, 0) == slice_numel * FP32
     assert muon["moment_bytes"] < adam["moment_bytes"]
+    # The step's optimizer phase peaks at the rule's own temporaries (planning/activations.py):
+    # Adam's declared peak (two slices) equals its held denominator plus U, Muon's (five slices)
+    # is everything at its peak, so the two phase peaks differ by the two declared peaks.
+    from logra_megatron.logra.update_memory import SketchAdamWMemory
+
+    assert (muon["optimizer_peak_bytes"] - adam["optimizer_peak_bytes"]
+            == muon_like.MuonLike.update_temporaries(slice_numel, 0)[0]
+            - SketchAdamWMemory.update_temporaries(slice_numel, 0)[0] > 0)
 
 
 def test_the_live_state_of_an_outside_rule_is_what_the_plan_counts(monkeypatch):
