@@ -134,7 +134,8 @@ def test_the_planner_reads_each_rules_own_declarations(update, monkeypatch):
     assert issubclass(rule, declared)
     assert (declared is rule) == (update == RULE)
     # Norm probes and range-finder refreshes exactly for range-finder rules; RowAdam redraws.
-    assert update_memory.uses_norm_probes(declared) == update_memory.uses_range_finder(declared) == (update != "rowadam")
+    range_finder = update != "rowadam"
+    assert update_memory.uses_norm_probes(declared) == update_memory.uses_range_finder(declared) == range_finder
     assert update_memory.state_bytes(declared, 1000, 10) == {"adam": 8000, "rowadam": 40, RULE: 4000}[update]
     peak, held = update_memory.update_temporaries(declared, 1000, 10)
     assert (peak, held) == {"adam": (8000, 4000), "rowadam": (4000, 0), RULE: (20000, 0)}[update]
@@ -143,14 +144,17 @@ def test_the_planner_reads_each_rules_own_declarations(update, monkeypatch):
 def test_planning_imports_no_rule_module():
     """The package's rules are planned from their torch-free declarations: a LoGRA plan loads
     neither torch nor a rule's module (the planner's command line answers in well under a second)."""
-    script = ("import sys\n"
-              "from logra_megatron.models.config import get_preset\n"
-              "from logra_megatron.logra.config import LogRAConfig\n"
-              "from logra_megatron.planning.plan import plan_memory\n"
-              "from logra_megatron.planning.settings import PlanSettings\n"
-              "for update in ('adam', 'rowadam'):\n"
-              "    plan_memory(PlanSettings(model=get_preset('tiny'), optimizer='logra', logra=LogRAConfig(update=update)))\n"
-              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('logra_megatron.logra.update_')))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+    script = "\n".join([
+        "import sys",
+        "from logra_megatron.models.config import get_preset",
+        "from logra_megatron.logra.config import LogRAConfig",
+        "from logra_megatron.planning.plan import plan_memory",
+        "from logra_megatron.planning.settings import PlanSettings",
+        "for update in ('adam', 'rowadam'):",
+        "    logra = LogRAConfig(update=update)",
+        "    plan_memory(PlanSettings(model=get_preset('tiny'), optimizer='logra', logra=logra))",
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('logra_megatron.logra.update_')))"])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV,
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["['logra_megatron.logra.update_memory']"]

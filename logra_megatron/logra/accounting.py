@@ -69,8 +69,8 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
 
     LoGRA's gradients are the sketches plus the norm probes' samples (``k`` columns or rows per
     sketched weight, for a rule that has them), its optimizer state the dense remainder's Adam
-    moments and what the update rule declares (logra/update_memory.py), its masters the fp32 copies of sketched weights when the weights are
-    low precision and ``--logra-master fp32``."""
+    moments and what the update rule declares (logra/update_memory.py), its masters the fp32
+    copies of sketched weights when the weights are low precision and ``--logra-master fp32``."""
     sketchable = {id(module.weight): (name, module, side) for name, module, side in _sketchable(model, logra_config)}
     master = 0 if next(model.parameters()).dtype == torch.float32 else FP32
     all_numel = dense_remainder = sketched_numel = sketch_numel = projection_numel = probe_numel = 0

@@ -39,10 +39,12 @@ here."""
 # ``memory=``: the rule's memory, declared without torch (logra/update_memory.py), so the planner
 # counts it without importing the rule's module.
 UPDATE_RULES.register(
-    "adam", "logra_megatron.logra.update_adamw:SketchAdamW", memory="logra_megatron.logra.update_memory:SketchAdamWMemory",
+    "adam", "logra_megatron.logra.update_adamw:SketchAdamW",
+    memory="logra_megatron.logra.update_memory:SketchAdamWMemory",
     help="Adam moments per sketch element, orthonormal projections refreshed by a range finder")
 UPDATE_RULES.register(
-    "rowadam", "logra_megatron.logra.update_rowadam:RowAdam", memory="logra_megatron.logra.update_memory:RowAdamMemory",
+    "rowadam", "logra_megatron.logra.update_rowadam:RowAdam",
+    memory="logra_megatron.logra.update_memory:RowAdamMemory",
     help="the reference implementation's rule: a fresh Rademacher projection every step, so "
          "--logra-refresh-interval, --logra-oversampling and --logra-norm-probes do not apply; one second "
          "moment per row, each step's update sized --logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; "

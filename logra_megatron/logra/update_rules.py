@@ -73,8 +73,8 @@ class UpdateRule(Protocol):
     def state_bytes(cls, slice_numel: int, line_numel: int) -> int:
         """Bytes of the rule's state on one rank (what :meth:`state` returns once constructed),
         for a buffer whose slice has ``slice_numel`` elements and whose sketches have
-        ``line_numel`` lines in all. Optional: without it, ``update_memory.state_bytes`` counts one fp32
-        tensor per name in :attr:`state_names`, of the length :attr:`state_layout` says."""
+        ``line_numel`` lines in all. Optional: without it, ``update_memory.state_bytes`` counts
+        one fp32 tensor per name in :attr:`state_names`, of the length :attr:`state_layout` says."""
 
     @classmethod
     def update_temporaries(cls, slice_numel: int, line_numel: int) -> Tuple[int, int]:
@@ -114,4 +114,3 @@ class UpdateRule(Protocol):
 
     def load_counters(self, counters: Dict[str, int]) -> None:
         """Restore from a dict holding (at least) the names :meth:`counters` returns."""
-

@@ -749,7 +749,8 @@ class _Step:
         self._dense_step()
         # The update rule's own temporaries, as it declares them (logra/update_rules.py): a peak
         # before U, and what is still live when U is allocated (Adam's denominator).
-        peak, held = state_model.update_rule_temporaries(settings, local, state_model.sketch_lines(settings, self.stage))
+        lines = state_model.sketch_lines(settings, self.stage)
+        peak, held = state_model.update_rule_temporaries(settings, local, lines)
         tl.moment(peak, comp)
         tl.alloc("rule_held", held, comp)
         tl.alloc("update_local", local * FP32, "proposal_update_bytes")
