@@ -8,6 +8,8 @@
                         reduce-scatter, the sketch part of the gradient norm
 - ``update_rules.py``   the update-rule interface and its registry ``UPDATE_RULES``
 - ``update_adamw.py``   SketchAdamW: torch's AdamW arithmetic in sketch space (rule "adam")
+- ``update_rowadam.py`` RowAdam: the reference implementation's rule (rule "rowadam")
+- ``update_memory.py``  what an update rule holds in memory, declared without torch (the planner reads it)
 - ``refresh.py``        the refresh policy: test matrices, range-finder bases, state rotation
 - ``sketch_optimizer.py`` SketchSpaceOptimizer: the sketched weights' ``MegatronOptimizer``
                         (reduce, norm, clip, the rule's update, masters, refresh, checkpoints)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from logra_megatron.logra import update_memory
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.sketch import LEFT, RIGHT, LinearSketch
 
@@ -67,8 +68,9 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
     """``{"dense": StateBytes, "logra": StateBytes}`` for this rank's part of ``model``.
 
     LoGRA's gradients are the sketches plus the norm probes' samples (``k`` columns or rows per
-    sketched weight), its masters the fp32 copies of sketched weights when the weights are
-    low precision and ``--logra-master fp32``."""
+    sketched weight, for a rule that has them), its optimizer state the dense remainder's Adam
+    moments and what the update rule declares (logra/update_memory.py), its masters the fp32
+    copies of sketched weights when the weights are low precision and ``--logra-master fp32``."""
     sketchable = {id(module.weight): (name, module, side) for name, module, side in _sketchable(model, logra_config)}
     master = 0 if next(model.parameters()).dtype == torch.float32 else FP32
     all_numel = dense_remainder = sketched_numel = sketch_numel = projection_numel = probe_numel = 0
@@ -76,15 +78,19 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
         all_numel += param.numel()
         if id(param) not in sketchable:
             dense_remainder += param.numel()
-    probes = 0 if logra_config.identity_projection else logra_config.norm_probes
+    rule = update_memory.declared_memory(logra_config.update)
+    uses_probes = not logra_config.identity_projection and update_memory.uses_norm_probes(rule)
+    probes = logra_config.norm_probes if uses_probes else 0
+    lines = 0
     for name, module, side in sketchable.values():
         out_features, in_features = module.weight.shape
         projected = in_features if side == RIGHT else out_features
-        rank = projected if logra_config.identity_projection else logra_config.rank_for(projected, name)
+        rank = logra_config.sketch_rank(projected, name)
         rows, cols = LinearSketch.sketch_shape(side, out_features, in_features, rank)
         sketch_numel += rows * cols
         projection_numel += projected * rank
         probe_numel += probes * (out_features if side == RIGHT else in_features)
+        lines += out_features if side == RIGHT else in_features
         sketched_numel += module.weight.numel()
     sketched_master = master if logra_config.master == "fp32" else 0
     dense = StateBytes(
@@ -93,7 +99,8 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
         dp_comm_bytes_per_step=all_numel * FP32)
     logra = StateBytes(
         grad_bytes=(dense_remainder + sketch_numel + probe_numel) * FP32,
-        optimizer_state_bytes=2 * (dense_remainder + sketch_numel) * FP32,
+        # the dense remainder's Adam moments, and the update rule's state as the rule declares it
+        optimizer_state_bytes=2 * dense_remainder * FP32 + update_memory.state_bytes(rule, sketch_numel, lines),
         master_weight_bytes=dense_remainder * master + sketched_numel * sketched_master,
         projection_bytes=projection_numel * FP32,
         dp_comm_bytes_per_step=(dense_remainder + sketch_numel + probe_numel) * FP32)

@@ -36,11 +36,15 @@ UPDATE_RULES = Registry("update rule", "--logra-update", accepts=_is_update_rule
 ``package.module:attr`` (a class implementing logra/update_rules.py's ``UpdateRule``). Declared by
 path, so reading the flag imports no torch; a new rule in the package is one file and one line
 here."""
+# ``memory=``: the rule's memory, declared without torch (logra/update_memory.py), so the planner
+# counts it without importing the rule's module.
 UPDATE_RULES.register(
     "adam", "logra_megatron.logra.update_adamw:SketchAdamW",
+    memory="logra_megatron.logra.update_memory:SketchAdamWMemory",
     help="Adam moments per sketch element, orthonormal projections refreshed by a range finder")
 UPDATE_RULES.register(
     "rowadam", "logra_megatron.logra.update_rowadam:RowAdam",
+    memory="logra_megatron.logra.update_memory:RowAdamMemory",
     help="the reference implementation's rule: a fresh Rademacher projection every step, so "
          "--logra-refresh-interval, --logra-oversampling and --logra-norm-probes do not apply; one second "
          "moment per row, each step's update sized --logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; "
@@ -164,6 +168,11 @@ class LogRAConfig:
             )
         return self.rank
 
+    def sketch_rank(self, projected_dim: int, weight_name: str) -> int:
+        """The rank a weight is sketched at, as the planner and the accounting count it: the whole
+        projected dimension under the identity projection (which the sketch buffer requires of
+        ``rank``), else :meth:`rank_for`."""
+        return projected_dim if self.identity_projection else self.rank_for(projected_dim, weight_name)
 
     def check_model(self, model) -> None:
         """Raise a :class:`UserError` now if the rank does not fit the model (a ModelConfig).

@@ -21,12 +21,10 @@ from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.projection import rademacher, range_finder_basis
 from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.logra.sketch_buffer import SketchBuffer, SketchedWeight
+from logra_megatron.logra.update_memory import RANGE_FINDER, REDRAW  # noqa: F401 (how a rule's projections change)
 from logra_megatron.models.weights import shard_of
 from logra_megatron.seeding import name_seed, seeded_gaussian
 
-RANGE_FINDER, REDRAW = "range-finder", "redraw"
-"""How an update rule's projections change (``UpdateRule.projections``): by range-finder
-refreshes (:class:`RangeFinderRefresh`), or redrawn for every step (:class:`RademacherRedraw`)."""
 REDRAW_STREAM = 2_000_003
 """Offset of the redraws' counter, apart from the other seeded draws of a weight."""
 

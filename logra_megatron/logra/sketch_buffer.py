@@ -27,6 +27,7 @@ from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
 from logra_megatron.logra.sketch_overlap import DEFAULT_BUCKET_NUMEL, OverlappedSketchReduction
+from logra_megatron.logra.update_memory import ELEMENT, LINE  # noqa: F401 (layouts of a rule's state)
 from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
 from logra_megatron.ops.norms import squared_norm
@@ -34,9 +35,6 @@ from logra_megatron.seeding import name_seed
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
-ELEMENT, LINE = "element", "line"
-"""Layouts of an update rule's state: per sketch element (like the flat buffer, sliced in ZeRO-1
-mode), or per line (:meth:`SketchedWeight.line_view`)."""
 
 
 class SketchedWeight:

@@ -14,22 +14,20 @@ from typing import Dict
 import torch
 
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.refresh import RANGE_FINDER
 from logra_megatron.logra.sketch import LEFT
-from logra_megatron.logra.sketch_buffer import ELEMENT
+from logra_megatron.logra.update_memory import SketchAdamWMemory
 
 
-class SketchAdamW:
+class SketchAdamW(SketchAdamWMemory):
     """Adam moments ``exp_avg`` / ``exp_avg_sq`` over ``numel`` sketch-space elements.
 
     The first moment's bias correction counts optimizer steps (``step``); the second moment's
     counts its own steps, which restart when ``second_moment="reset"`` drops it at a refresh.
     Decoupled weight decay is applied to the weights by the optimizer, as in torch's AdamW.
+    Its state names, layout, projections and memory are declared, torch-free, by
+    :class:`~logra_megatron.logra.update_memory.SketchAdamWMemory`.
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
-    state_layout = ELEMENT
-    projections = RANGE_FINDER
     kl_max_scale = 1.0
 
     def __init__(self, buffer, optimizer_config, logra_config: LogRAConfig):

@@ -37,9 +37,8 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.refresh import REDRAW
 from logra_megatron.logra.sketch import RIGHT
-from logra_megatron.logra.sketch_buffer import LINE
+from logra_megatron.logra.update_memory import RowAdamMemory
 from logra_megatron.models.weights import global_indices
 
 BETA2 = 0.95
@@ -49,14 +48,12 @@ KL_MAX_SCALE = 3.0
 """The reference's cap on the KL controller's step scale: ``alpha = min(3, sqrt(budget / KL))``."""
 
 
-class RowAdam:
+class RowAdam(RowAdamMemory):
     """Per-line second moments over every sketched weight of a
     :class:`~logra_megatron.logra.sketch_buffer.SketchBuffer`; implements
-    :class:`~logra_megatron.logra.update_rules.UpdateRule`."""
+    :class:`~logra_megatron.logra.update_rules.UpdateRule`. Its state names, layout, projections
+    and memory are declared, torch-free, by :class:`~logra_megatron.logra.update_memory.RowAdamMemory`."""
 
-    state_names = ("line_exp_avg_sq",)
-    state_layout = LINE
-    projections = REDRAW
     kl_max_scale = KL_MAX_SCALE
 
     def __init__(self, buffer, optimizer_config, logra_config: LogRAConfig):

@@ -11,10 +11,21 @@ reduction, the gradient norm and clipping, gathering the update over DP, mapping
 the projections and applying ``lr`` and decoupled weight decay to the weights, refreshing the
 projections, and checkpointing the rule's state (docs/ALGORITHM.md, "Sketch-space Adam").
 
-Adding a rule is one new file with a class implementing :class:`UpdateRule` and one line in
+A rule also declares the memory it holds, for the planner (logra_megatron/planning), which
+asks the rule and never compares its name: :meth:`UpdateRule.state_bytes` (its persistent
+state), :meth:`UpdateRule.update_temporaries` (what :meth:`UpdateRule.update` allocates besides
+``U``), and through :attr:`UpdateRule.projections` whether the norm probes and the range finder's
+refresh exist at all. ``logra/update_memory.py`` reads those declarations (with the defaults a
+rule that declares less gets) without torch; the package's rules inherit theirs from torch-free
+classes there that their registry lines name (``memory=``), so planning imports no rule module.
+
+Adding a rule is one new file with a class implementing :class:`UpdateRule` (its memory
+declared on the class) and one line in
 :data:`UPDATE_RULES` (declared in ``logra/config.py``, so the flag is read without torch);
-``LogRAConfig(update=name)`` selects it. A rule outside the package needs no line anywhere:
-``--logra-update package.module:Class`` imports it.
+``LogRAConfig(update=name)`` selects it, and the planner, the measurement
+(``training/measure.py``: the tensors of :meth:`UpdateRule.state` are ``moment_bytes``) and the
+trainer take it from there. A rule outside the package needs no line anywhere:
+``--logra-update package.module:Class`` imports it (tests/plugins/muon_like.py).
 """
 
 from typing import Dict, Protocol, Tuple
@@ -22,8 +33,7 @@ from typing import Dict, Protocol, Tuple
 import torch
 
 from logra_megatron.logra.config import UPDATE_RULES
-from logra_megatron.logra.refresh import RANGE_FINDER, REDRAW
-from logra_megatron.logra.sketch_buffer import ELEMENT, LINE
+from logra_megatron.logra.update_memory import ELEMENT, LINE, RANGE_FINDER, REDRAW
 
 __all__ = ["UpdateRule", "UPDATE_RULES", "ELEMENT", "LINE", "RANGE_FINDER", "REDRAW"]
 
@@ -58,6 +68,21 @@ class UpdateRule(Protocol):
 
     kl_max_scale: float
     """The KL controller's largest step scale when ``--kl-max-scale`` is not given."""
+
+    @classmethod
+    def state_bytes(cls, slice_numel: int, line_numel: int) -> int:
+        """Bytes of the rule's state on one rank (what :meth:`state` returns once constructed),
+        for a buffer whose slice has ``slice_numel`` elements and whose sketches have
+        ``line_numel`` lines in all. Optional: without it, ``update_memory.state_bytes`` counts
+        one fp32 tensor per name in :attr:`state_names`, of the length :attr:`state_layout` says."""
+
+    @classmethod
+    def update_temporaries(cls, slice_numel: int, line_numel: int) -> Tuple[int, int]:
+        """``(peak, held)``: bytes :meth:`update` allocates besides the ``U`` it returns.
+        ``peak``: the most its temporaries hold at once before ``U`` exists (freed by the time
+        it returns); ``held``: what is still live when ``U`` is allocated (freed right after,
+        e.g. Adam's denominator). The planner replays them on top of the step's other live
+        tensors (planning/activations.py). Optional: without it, ``(0, 0)``."""
 
     def update(self, grad: torch.Tensor, lr: float, weight_decay: float, step: int) -> torch.Tensor:
         """Advance the state with ``grad`` (this rank's slice of the DP-mean, clipped sketch

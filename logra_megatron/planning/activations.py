@@ -213,10 +213,7 @@ class _Step:
         return 0
 
     def _norm_probes(self) -> int:
-        logra = self.settings.logra
-        if logra.identity_projection or logra.update == "rowadam":
-            return 0
-        return logra.norm_probes
+        return state_model.norm_probes(self.settings)
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -750,13 +747,14 @@ class _Step:
                      for p in self.params if p.sketch_side is not None)
         tl.moment(norm_chunk_bytes(probes), comp)
         self._dense_step()
-        if settings.logra.update == "rowadam":
-            tl.moment(local * FP32, comp)
-        else:
-            tl.moment(2 * local * FP32, comp)  # sqrt(v), then the denominator
-            tl.alloc("denominator", local * FP32, comp)
+        # The update rule's own temporaries, as it declares them (logra/update_rules.py): a peak
+        # before U, and what is still live when U is allocated (Adam's denominator).
+        lines = state_model.sketch_lines(settings, self.stage)
+        peak, held = state_model.update_rule_temporaries(settings, local, lines)
+        tl.moment(peak, comp)
+        tl.alloc("rule_held", held, comp)
         tl.alloc("update_local", local * FP32, "proposal_update_bytes")
-        tl.free("denominator")
+        tl.free("rule_held")
         if sliced:
             tl.alloc("update", full * FP32, "proposal_update_bytes")
             tl.free("update_local")

@@ -11,8 +11,7 @@ from dataclasses import replace
 from typing import Optional
 
 from logra_megatron.errors import UserError
-from logra_megatron.logra.config import (MASTER_MODES, UPDATE_RULE_NAMES, UPDATE_RULES, LogRAConfig, add_rank_arguments,
-                                         rank_settings)
+from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULES, LogRAConfig, add_rank_arguments, rank_settings
 from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
 from logra_megatron.planning.settings import (MOMENT_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROWS,
                                               PlanSettings, RolloutPlan, settings_for_row)
@@ -71,10 +70,10 @@ def add_arguments(parser) -> None:
     optimizer.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 gradients and masters)")
     defaults = LogRAConfig()
     add_rank_arguments(optimizer)
-    # Registered rules only: the planner counts a rule's state by its name until rules declare
-    # their own memory (an outside rule would be planned as something it is not).
-    optimizer.add_argument("--logra-update", choices=UPDATE_RULE_NAMES, default=defaults.update,
-                           help=UPDATE_RULES.help("LoGRA's sketch-space update rule").rsplit("; or ", 1)[0])
+    # A registered rule or outside code (package.module:Class), as the trainer takes it: the plan
+    # counts what the rule declares of its memory (logra/update_rules.py), so any rule is planned.
+    optimizer.add_argument("--logra-update", type=UPDATE_RULES.parse, default=defaults.update, metavar="RULE",
+                           help=UPDATE_RULES.help("LoGRA's sketch-space update rule"))
     optimizer.add_argument("--logra-master", choices=MASTER_MODES, default=defaults.master)
     optimizer.add_argument("--logra-embeddings", action="store_true", help="sketch the embedding and output layer")
     optimizer.add_argument("--logra-norm-probes", type=int, default=defaults.norm_probes)

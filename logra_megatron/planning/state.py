@@ -22,9 +22,10 @@ each component mirrors what the code allocates for them:
   (6 + 12/d bytes per parameter in bf16 instead of 18).
 - **Sketched weights** (LoGRA) have no gradient buffer: one flat fp32 sketch buffer (padded to a
   multiple of DP in ZeRO-1 mode) and the norm probes' samples (``sketch_bytes``), the probes'
-  directions (``norm_probe_bytes``), sketch-space Adam moments (two fp32 per sketch element, this
-  DP rank's slice in ZeRO-1 mode; ``--logra-update rowadam``: one fp32 second moment per sketch
-  line and no norm probes), fp32 projections, and per ``--logra-master`` fp32 masters of
+  directions (``norm_probe_bytes``), the update rule's state (``moment_bytes``: what the rule
+  declares, logra/update_rules.py: two fp32 moments per element of this DP rank's slice for
+  sketch-space Adam, one per sketch line for RowAdam; no norm probes for a rule that redraws its
+  projections), fp32 projections, and per ``--logra-master`` fp32 masters of
   the weights (rows split over DP in ZeRO-1 mode) or none.
 - **Dense baselines** (``settings.optimizer``; byte counts read from megatron-core 0.16.1's
   ``megatron/core/optimizer/``, see :func:`dense_optimizer_bytes`): ``adam`` as above;
@@ -57,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
+from logra_megatron.logra import update_memory
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
@@ -280,10 +282,38 @@ def _sketch_numel(param: Parameter, rank: int) -> int:
 
 
 def sketch_rank(settings: PlanSettings, param: Parameter) -> int:
-    """The LoGRA rank of a sketched weight (logra/config.py: ``rank_for``)."""
-    if settings.logra.identity_projection:
-        return param.projected_dim
-    return settings.logra.rank_for(param.projected_dim, param.name)
+    """The LoGRA rank of a sketched weight (logra/config.py: ``sketch_rank``)."""
+    return settings.logra.sketch_rank(param.projected_dim, param.name)
+
+
+def update_rule(settings: PlanSettings):
+    """What ``--logra-update``'s rule declares of its memory (logra/update_memory.py: a torch-free
+    class for the package's rules, the rule class itself for an outside one)."""
+    return update_memory.declared_memory(settings.logra.update)
+
+
+def norm_probes(settings: PlanSettings) -> int:
+    """Norm probes per sketched weight: none with the identity projection (the sketch is the
+    gradient) or for a rule that declares it does without them."""
+    logra = settings.logra
+    if logra.identity_projection or not update_memory.uses_norm_probes(update_rule(settings)):
+        return 0
+    return logra.norm_probes
+
+
+def update_rule_state_bytes(settings: PlanSettings, slice_numel: int, line_numel: int) -> int:
+    """The update rule's state on one rank, as the rule declares it."""
+    return update_memory.state_bytes(update_rule(settings), slice_numel, line_numel)
+
+
+def update_rule_temporaries(settings: PlanSettings, slice_numel: int, line_numel: int) -> Tuple[int, int]:
+    """``(peak, held)`` bytes of the update rule's step besides ``U``, as the rule declares them."""
+    return update_memory.update_temporaries(update_rule(settings), slice_numel, line_numel)
+
+
+def sketch_lines(settings: PlanSettings, stage: int) -> int:
+    """Lines of every sketch of the stage (the length of a per-line state, never sliced)."""
+    return sum(_lines(p) for p in parameter_shapes(settings, stage) if p.sketch_side is not None)
 
 
 def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] = None) -> int:
@@ -334,14 +364,13 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
         ranks = [sketch_rank(settings, p) for p in sketched]
         sketch_numel = sum(_sketch_numel(p, r) for p, r in zip(sketched, ranks))
         flat = _pad(sketch_numel, dp) if zero1 else sketch_numel
-        probes = 0 if logra.identity_projection or logra.update == "rowadam" else logra.norm_probes
+        probes = norm_probes(settings)
         probe_samples = sum(probes * _lines(p) for p in sketched)
         state["sketch_bytes"] = (flat + probe_samples) * FP32
         state["norm_probe_bytes"] = sum(probes * p.projected_dim for p in sketched) * FP32
-        if logra.update == "rowadam":  # one second moment per line of every sketch, never sliced
-            state["moment_bytes"] += sum(_lines(p) for p in sketched) * FP32
-        else:  # sketch-space AdamW: two moments per element of this rank's slice
-            state["moment_bytes"] += 2 * (flat // dp if zero1 else flat) * FP32
+        # The rule's state, per element of this rank's slice or per line: the rule says which and how much.
+        state["moment_bytes"] += update_rule_state_bytes(settings, flat // dp if zero1 else flat,
+                                                         sum(_lines(p) for p in sketched))
         state["projection_bytes"] = sum(p.projected_dim * r for p, r in zip(sketched, ranks)) * FP32
         if settings.bf16 and logra.master == "fp32":
             sharded = zero1 and dp > 1
@@ -476,8 +505,8 @@ def refresh_step_bytes(settings: PlanSettings, stage: int) -> int:
     per sketched weight a Gaussian test matrix (the non-projected side x (rank + oversampling))
     and the range sample (projected side x the same columns)."""
     total = 0
-    if settings.logra.identity_projection or settings.logra.update == "rowadam":
-        return 0  # never refreshed; rowadam redraws its projections without a range finder
+    if settings.logra.identity_projection or not update_memory.uses_range_finder(update_rule(settings)):
+        return 0  # never refreshed, or a rule that redraws its projections without a range finder
     for param in parameter_shapes(settings, stage):
         if param.sketch_side is None:
             continue

@@ -26,7 +26,9 @@ def measure_components(model, ddp, optimizer, controller_extra: int = 0) -> dict
     ``model`` is the bare model; ``optimizer`` has taken at least one step (Adam's moments are
     created by the first); ``controller_extra`` is what a KL controller held during the step.
     ``ddp`` is not read (its gradient buffers are counted through the optimizer); it stays in
-    the signature the benchmarks call."""
+    the signature the benchmarks call. ``moment_bytes`` holds the dense optimizer's moments and,
+    under LoGRA, the tensors of the update rule's ``state()``: the component the planner fills
+    with what the rule declares (logra/update_memory.py), so the two compare name for name."""
     from logra_megatron.platform.memory import tensor_bytes
 
     seen = set()
