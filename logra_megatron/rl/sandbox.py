@@ -176,7 +176,7 @@ class SandboxResult:
     cpu_s: float
     """CPU seconds used by the program and every process it waited for."""
     isolation: str
-    """``"namespaces"`` or ``"none"``."""
+    """``"bubblewrap"``, ``"namespaces"`` or ``"none"``."""
     workdir: str
     """The temporary directory it ran in; removed before the call returned (see ``cleaned``)."""
     cleaned: bool
@@ -187,15 +187,16 @@ class SandboxResult:
         return self.passed
 
 
-ISOLATIONS = ("auto", "namespaces", "none")
+ISOLATIONS = ("auto", "bubblewrap", "namespaces", "none")
 
 
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
                 isolation: str = "auto", audit_guard: bool = True) -> SandboxResult:
     """Run ``source`` as ``__main__`` in a sandbox (module docstring) and report how it ended.
 
-    ``isolation``: ``"auto"`` (namespaces when they work here, else ``"none"``), ``"namespaces"``
-    (required: a machine without them gives "sandbox setup failed"), or ``"none"``.
+    ``isolation``: ``"auto"`` (bubblewrap when it is installed and works here, else namespaces
+    when they work, else ``"none"``), ``"bubblewrap"`` or ``"namespaces"`` (required: a machine
+    where they do not work gives a failed run with the reason), or ``"none"``.
     ``audit_guard=False`` leaves out the audit hook (tests use it to check the kernel layers
     alone); it is refused with ``isolation="none"``, where nothing else would guard the files.
     """
@@ -208,33 +209,70 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     if isolation not in ISOLATIONS:
         raise UserError(f"run_program: isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if isolation == "auto":
-        isolation = "namespaces" if namespaces_work() else "none"
+        isolation = selected_isolation()
+    if isolation == "bubblewrap":
+        from logra_megatron.rl.sandbox_bwrap import find_bwrap
+
+        if find_bwrap() is None:
+            raise UserError("run_program: isolation='bubblewrap' needs bwrap (Debian/Ubuntu: apt-get install "
+                            "bubblewrap); isolation='auto' falls back to namespaces")
     if isolation == "none" and not audit_guard:
-        raise UserError("run_program: audit_guard=False needs isolation='namespaces'; without both nothing "
-                        "keeps the program off the trainer's files")
+        raise UserError("run_program: audit_guard=False needs isolation='bubblewrap' or 'namespaces'; without "
+                        "both nothing keeps the program off the trainer's files")
     return _run(source, stdin, limits, isolation, audit_guard)
+
+
+def _probe(isolation: str) -> str:
+    """``""`` when a trivial program runs under ``isolation`` here, else why not."""
+    result = _run('print("sandbox ok")', "", SandboxLimits(wall_s=30.0), isolation, True)
+    if result.passed and result.stdout.strip() == "sandbox ok":
+        return ""
+    return result.reason
+
+
+@functools.lru_cache(maxsize=None)
+def bubblewrap_probe() -> str:
+    """``""`` when ``bwrap`` is installed and a run under it works here, else why not (cached)."""
+    from logra_megatron.rl.sandbox_bwrap import find_bwrap
+
+    if find_bwrap() is None:
+        return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    return _probe("bubblewrap")
 
 
 @functools.lru_cache(maxsize=None)
 def namespace_probe() -> str:
-    """``""`` when namespace isolation works on this machine, else why not (run once, cached)."""
-    result = _run('print("sandbox ok")', "", SandboxLimits(wall_s=30.0), "namespaces", True)
-    if result.passed and result.stdout.strip() == "sandbox ok":
-        return ""
-    return result.reason
+    """``""`` when the fallback's namespace isolation works on this machine, else why not (cached)."""
+    return _probe("namespaces")
+
+
+def bubblewrap_works() -> bool:
+    return bubblewrap_probe() == ""
 
 
 def namespaces_work() -> bool:
     return namespace_probe() == ""
 
 
+def selected_isolation() -> str:
+    """What ``isolation="auto"`` uses here: bubblewrap, else the namespaces fallback, else none."""
+    if bubblewrap_works():
+        return "bubblewrap"
+    return "namespaces" if namespaces_work() else "none"
+
+
 def isolation_report() -> str:
-    """One line for the run log: which containment layers a sandboxed program gets here."""
-    if namespaces_work():
-        who = (f"uid {SANDBOX_UID_BASE}+ (dropped from root)" if os.geteuid() == 0
-               else "user namespace, no capabilities")
-        return f"sandbox: namespaces (mount, pid, net, ipc, uts), private root, {who}, rlimits, audit hook"
-    return f"sandbox: rlimits and audit hook only (namespaces unavailable: {namespace_probe()})"
+    """One line for the run log: which containment path and layers a sandboxed program gets here."""
+    isolation = selected_isolation()
+    if isolation == "none":
+        return (f"sandbox: rlimits and audit hook only (bubblewrap: {bubblewrap_probe()}; "
+                f"namespaces: {namespace_probe()})")
+    who = (f"uid {SANDBOX_UID_BASE}+ (dropped from root)" if os.geteuid() == 0
+           else "user namespace, no capabilities")
+    path = ("bubblewrap" if isolation == "bubblewrap"
+            else f"namespaces fallback (bubblewrap: {bubblewrap_probe()})")
+    return (f"sandbox: {path}: pid, net, ipc, uts, mount namespaces, private read-only root, {who}, "
+            f"rlimits, audit hook")
 
 
 # --- the parent side ---------------------------------------------------------------------------
@@ -253,12 +291,21 @@ def _run(source: str, stdin: str, limits: SandboxLimits, isolation: str, audit_g
         status_read, status_write = os.pipe()
         config = {"workdir": workdir, "isolation": isolation, "audit_guard": audit_guard,
                   "status_fd": status_write, "parent_pid": os.getpid(), "limits": limits.__dict__}
-        command = [sys.executable, "-I", "-S", "-B", "-c", _LAUNCH.format(root=_PROJECT_ROOT), json.dumps(config)]
+        pass_fds = (status_write,)
+        if isolation == "bubblewrap":
+            # bwrap writes PID 1's pid to its info fd: a second descriptor of the status pipe
+            # (bwrap closes the info fd, and the launcher needs the status one).
+            pass_fds += (os.dup(status_write),)
+            command = _bubblewrap_command(config, program_path, limits, pass_fds[1])
+        else:
+            command = [sys.executable, "-I", "-S", "-B", "-c", _LAUNCH.format(root=_PROJECT_ROOT),
+                       json.dumps(config)]
         environment = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
         try:
-            process = _start(command, environment, workdir, status_write, bool(stdin))
+            process = _start(command, environment, workdir, pass_fds, bool(stdin))
         finally:
-            os.close(status_write)
+            for fd in pass_fds:
+                os.close(fd)
         outputs, status, stopped_by, init_fd = _supervise(process, stdin.encode(), status_read, limits, start)
     finally:
         returncode, cpu = _end(process, init_fd)
@@ -279,11 +326,29 @@ _LAUNCH = ("import sys; sys.path.insert(0, {root!r}); "
            "from logra_megatron.rl.sandbox import launch; launch(sys.argv[1])")
 
 
-def _start(command, environment, workdir, status_write, feed_stdin):
+def _bubblewrap_command(config: dict, program_path: str, limits: SandboxLimits, info_fd: int) -> list:
+    """``bwrap ... -- python -c <launcher> <config>`` (sandbox_bwrap.py). As root, the program's
+    uid is chosen here, where the host's processes are visible, and so is ``RLIMIT_NPROC``'s base:
+    the processes that uid has already (none, unless another run drew the same uid)."""
+    import random
+
+    from logra_megatron.rl import sandbox_bwrap
+
+    bwrap = sandbox_bwrap.find_bwrap()  # run_program checked that there is one
+    as_root = os.geteuid() == 0
+    if as_root:
+        config["sandbox_uid"] = SANDBOX_UID_BASE + random.randrange(SANDBOX_UID_SPAN)
+        config["process_base"] = _processes_of_uid(config["sandbox_uid"])
+    launch_code = _LAUNCH.format(root=sandbox_bwrap.LAUNCHER_DIR)
+    return (sandbox_bwrap.bwrap_command(bwrap, _PROJECT_ROOT, program_path, limits.disk_bytes, info_fd, as_root)
+            + ["--", sandbox_bwrap.interpreter(), "-I", "-S", "-B", "-c", launch_code, json.dumps(config)])
+
+
+def _start(command, environment, workdir, pass_fds, feed_stdin):
     import subprocess
 
     return subprocess.Popen(command, stdin=subprocess.PIPE if feed_stdin else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
                             start_new_session=True, cwd=workdir, env=environment, close_fds=True)
 
 
@@ -355,17 +420,24 @@ def _pidfd(pid: int) -> Optional[int]:
 
 
 def _open_init(launcher_pid: int, status: bytes) -> Optional[int]:
-    """A pidfd of PID 1 of the sandbox's PID namespace, from the launcher's first status line.
+    """A pidfd of PID 1 of the sandbox's PID namespace, from the status pipe's first line: the
+    namespaces launcher's ``init N``, or bwrap's ``{"child-pid": N, ...}`` (its info fd is this pipe).
 
-    The pid is checked to be a child of the launcher (the launcher has no other), so a line
-    forged by the program cannot point us at another process; the pidfd then keeps naming that
-    process even after it exits.
+    The pid is checked to be a child of the launcher (or of bwrap; neither has another), so a
+    line forged by the program cannot point us at another process; the pidfd then keeps naming
+    that process even after it exits.
     """
-    first, newline, _ = bytes(status).partition(b"\n")
-    if not newline or not first.startswith(b"init "):
+    lines = bytes(status).split(b"\n")
+    if len(lines) < 2:
+        return None
+    if lines[0].startswith(b"init "):
+        number = lines[0].split()[1:2]
+    elif len(lines) > 2 and lines[0] == b"{" and lines[1].strip().startswith(b'"child-pid":'):
+        number = lines[1].split(b":")[1].strip(b" ,").split()
+    else:
         return None
     try:
-        pid = int(first.split()[1])
+        pid = int(number[0])
     except (ValueError, IndexError):
         return None
     init_fd = _pidfd(pid)
@@ -540,7 +612,9 @@ def launch(config_json: str) -> None:
     config = json.loads(config_json)
     sys.path.remove(_PROJECT_ROOT)
     status_fd = config["status_fd"]
-    _die_with_parent(config["parent_pid"])
+    bubblewrap = config["isolation"] == "bubblewrap"
+    if not bubblewrap:  # under bwrap, --die-with-parent does it (and the parent is outside the PID namespace)
+        _die_with_parent(config["parent_pid"])
 
     def report(kind: str, text: str) -> None:
         try:
@@ -550,10 +624,12 @@ def launch(config_json: str) -> None:
 
     limits = SandboxLimits(**config["limits"])
     workdir = config["workdir"]
-    with open(os.path.join(workdir, "program.py"), encoding="utf-8") as program_file:
+    with open(os.path.join(_PROJECT_ROOT if bubblewrap else workdir, "program.py"), encoding="utf-8") as program_file:
         source = program_file.read()
     try:
-        if config["isolation"] == "namespaces":
+        if bubblewrap:
+            sandbox_dir, process_base = _enter_bubblewrap(config, report)  # returns in the program only
+        elif config["isolation"] == "namespaces":
             sandbox_dir, process_base = _enter_namespaces(workdir, limits, report)  # returns in PID 1 only
         else:
             sandbox_dir, process_base = os.path.join(workdir, "work"), _processes_of_uid(os.getuid()) - 1
@@ -632,6 +708,31 @@ def _enter_namespaces(workdir: str, limits: SandboxLimits, report):
     _checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     # Set after the uid change, which clears it: if the launcher dies (the trainer's kill), PID 1
     # dies and with it the whole PID namespace.
+    _checked(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    os.chdir(SANDBOX_DIR)
+    return SANDBOX_DIR, process_base
+
+
+def _enter_bubblewrap(config: dict, report):
+    """Inside bwrap, as PID 1 of its PID namespace: fork the program and relay how it ended (the
+    launcher never returns from here). In the program, as root, take ``/sandbox`` and switch to
+    the sandbox uid, which clears the capabilities bwrap left (sandbox_bwrap.py); then as on the
+    fallback, ``NO_NEW_PRIVS`` and the parent-death signal. Returns ``(sandbox dir, processes
+    already counted against RLIMIT_NPROC)`` in the program."""
+    child = os.fork()
+    if child:
+        _relay(child, report)
+    libc = _libc()
+    if "sandbox_uid" in config:
+        sandbox_uid = config["sandbox_uid"]
+        os.chown(SANDBOX_DIR, sandbox_uid, sandbox_uid)
+        os.setgroups([])
+        os.setresgid(sandbox_uid, sandbox_uid, sandbox_uid)
+        os.setresuid(sandbox_uid, sandbox_uid, sandbox_uid)
+        process_base = config["process_base"]  # counted by the parent on the host's /proc
+    else:
+        process_base = 1  # bwrap's user namespace holds only the launcher besides the program
+    _checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     _checked(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
     os.chdir(SANDBOX_DIR)
     return SANDBOX_DIR, process_base
