@@ -22,25 +22,43 @@ against any program, including native code; the fourth is a convenience that giv
    the group id cannot have been reused). Output is read without blocking into a bounded
    buffer, and stdin is written without blocking, so a program that floods its output or never
    reads its input cannot stall the trainer or fill its memory.
-3. **Namespaces** (``isolation="namespaces"``; ``"auto"`` uses them when a probe run works). The
-   launcher unshares mount, network, PID, IPC and UTS namespaces (plus a user namespace when the
-   trainer is not root) and forks the program as PID 1 of the new PID namespace, which gives:
+3. **Namespaces**, from one of two builders; ``"auto"`` takes the first whose probe run works.
 
-   - *no network*: a new network namespace has only a loopback interface, and it is down;
+   - ``isolation="bubblewrap"``, the one used wherever ``bwrap`` (Debian's ``bubblewrap``;
+     ``launch/setup_env.sh`` installs it) is installed: the launcher runs under ``bwrap``, which
+     builds the sandbox below (its command line: :mod:`logra_megatron.rl.sandbox_bwrap`). The
+     launcher is PID 1 of the new PID namespace and forks the program; as root it switches the
+     program to the sandbox uid itself; everything else here (limits, supervision, status pipe,
+     reasons, cleanup) is shared by both builders.
+   - ``isolation="namespaces"``, the **fallback** where bubblewrap is not installed: this
+     module's own code (``unshare`` and ``pivot_root`` through ctypes, from ``_enter_namespaces``
+     on). The launcher unshares mount, network, PID, IPC and UTS namespaces (plus a user
+     namespace when the trainer is not root) and forks the program as PID 1 of the new PID
+     namespace.
+
+   Either way the program gets:
+
+   - *no network*: a new network namespace has only a loopback interface (down on the fallback;
+     bubblewrap brings it up, and nothing but the program can listen on it);
    - *no view of the trainer's processes*: they are not in the PID namespace, so ``os.kill`` of
      the trainer's pid cannot name it; when PID 1 ends (or its launcher dies: parent-death
      signal) the kernel kills every process in the namespace, so nothing outlives a run, not
      even a process that left the session with ``setsid``;
    - *no view of the trainer's files*: the program runs under ``pivot_root`` in a new root
      (tmpfs) that holds only read-only bind mounts of ``/usr``, ``/lib*``, ``/bin``, ``/sbin``,
-     the interpreter's prefix and ``/dev/{null,zero,full,random,urandom}``, a read-only
-     ``/proc`` of its own PID namespace, and ``/sandbox`` (its working directory, ``HOME`` and
-     ``TMPDIR``; ``/tmp`` links there), a tmpfs of at most ``disk_bytes``. Nothing else of the
+     the interpreter's prefix and ``/dev/{null,zero,full,random,urandom}``, a ``/proc`` of its
+     own PID namespace (read-only on the fallback; bubblewrap makes its ``sys`` and the like
+     read-only), under bubblewrap ``/launcher`` (the launcher's four source files and the
+     program, read-only), and ``/sandbox`` (its working directory, ``HOME`` and
+     ``TMPDIR``; ``/tmp`` links there), a tmpfs of at most ``disk_bytes`` (and, on the fallback,
+     4096 inodes; bubblewrap's ``--tmpfs`` takes only a size). Nothing else of the
      host (``/etc``, ``/home``, ``/root``, ``/work``, ``/tmp``...) exists for it, and the old
      root is detached. Writing, deleting or reading outside ``/sandbox`` therefore fails with
      ENOENT or EROFS;
    - *no privileges*: as root, the program drops to an otherwise unused uid (``60000 + pid %
-     5000``, so ``RLIMIT_NPROC`` binds and counts only the sandbox); otherwise the user
+     5000``, under bubblewrap a random one of those, so ``RLIMIT_NPROC`` binds and counts only
+     the sandbox: bwrap's own ``--uid`` would map it to host root, which that limit ignores,
+     so bwrap runs without a user namespace there); otherwise the user
      namespace maps the trainer's uid to itself and the program drops every capability. Then
      ``PR_SET_NO_NEW_PRIVS``. Mounts copied into any namespace it creates later are locked by
      the kernel, so it cannot make the read-only binds writable.
@@ -58,7 +76,7 @@ against any program, including native code; the fourth is a convenience that giv
    it. It is what makes a hostile program fail with a precise reason, and it is the only guard
    of the file system and of process creation by root when namespaces are unavailable.
 
-Without namespaces (``isolation="none"``: e.g. a container whose seccomp profile forbids
+Where neither builder works (``isolation="none"``: e.g. a container whose seccomp profile forbids
 ``unshare``) layers 1, 2 and 4 remain; the program then runs in ``<tmpdir>/work`` as the trainer's
 user, can see the host's files (the hook refuses them) and, as root, ``RLIMIT_NPROC`` does not
 bind (the hook refuses process creation); running without both namespaces and the hook is
