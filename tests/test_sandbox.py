@@ -386,7 +386,7 @@ def test_the_program_runs_unprivileged(isolation):
     result = run_program(program, "", LIMITS, isolation=isolation, audit_guard=False)
     assert result.passed, result
     uid, effective, permitted, no_new_privs, cwd, top = result.stdout.split(maxsplit=5)
-    assert (int(uid) != 0) if os.geteuid() == 0 else (int(uid) == os.getuid())
+    assert (int(uid) != 0) if os.geteuid() == 0 else (int(uid) == os.getuid()), result.stdout
     assert int(effective, 16) == 0 and int(permitted, 16) == 0 and no_new_privs == "1"
     assert cwd == "/sandbox"
     assert "'work'" not in top and "'home'" not in top and "'etc'" not in top, top  # no host paths
