@@ -598,8 +598,8 @@ def _remove_tree(path: str) -> bool:
                 pass
         try:
             function(failed_path)
-        except OSError:
-            pass
+        except (OSError, TypeError):  # TypeError: rmtree also reports os.open, which needs flags
+            pass  # the next pass of rmtree tries again; another user's directory just stays
 
     for _ in range(3):
         shutil.rmtree(path, onerror=make_writable_and_retry)
