@@ -412,3 +412,29 @@ def test_auto_falls_back_to_namespaces_without_bwrap(monkeypatch):
             run_program("print(1)", isolation="bubblewrap")
     finally:
         sandbox.bubblewrap_probe.cache_clear()  # the next test probes the real machine again
+
+
+@pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces"])
+def test_a_caller_killed_at_any_moment_leaves_no_process(isolation):
+    # A reward worker killed on its timeout may die while bwrap or the launcher is still setting
+    # up, before any parent-death signal is armed: the sandbox must still end (bwrap's path:
+    # the signal armed before exec, and the launcher's watch on the status pipe).
+    skip_unless_available(isolation)
+    assert not sandbox_processes(), "a sandbox process was left over by an earlier test"
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5):
+        caller = os.fork()
+        if caller == 0:
+            run_program("import time\ntime.sleep(60)\n", "", SandboxLimits(wall_s=30.0), isolation=isolation)
+            os._exit(0)
+        time.sleep(delay)
+        os.kill(caller, signal.SIGKILL)
+        os.waitpid(caller, 0)
+        deadline = time.monotonic() + 5.0
+        while sandbox_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = sandbox_processes()
+        for pid in left:
+            print(pid, Path(f"/proc/{pid}/status").read_text().split("\nSigQ")[0].replace("\n", " | ")[:900])  # so that one failure does not fail every later test
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"killed after {delay}s, the caller left {len(left)} sandbox processes"
+    run_program("print(1)\n", "", LIMITS, isolation=isolation)  # its sweep removes the killed runs' directories

@@ -320,13 +320,18 @@ def _run(source: str, stdin: str, limits: SandboxLimits, isolation: str, audit_g
                        json.dumps(config)]
         environment = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
         try:
-            process = _start(command, environment, workdir, pass_fds, bool(stdin))
+            process = _start(command, environment, workdir, pass_fds, bool(stdin), isolation == "bubblewrap")
         finally:
             for fd in pass_fds:
                 os.close(fd)
         outputs, status, stopped_by, init_fd = _supervise(process, stdin.encode(), status_read, limits, start)
     finally:
+        init_known = init_fd is not None
         returncode, cpu = _end(process, init_fd)
+        if isolation != "none" and process is not None and not init_known:
+            # Stopped before bwrap or the launcher said which pid is PID 1 (mid-setup, e.g. at the
+            # wall limit on a loaded machine): PID 1 may not have armed its parent-death signal yet.
+            _kill_processes_of(workdir)
         if status_read is not None:
             os.close(status_read)
         cleaned = _remove_tree(workdir)
@@ -362,12 +367,24 @@ def _bubblewrap_command(config: dict, program_path: str, limits: SandboxLimits, 
             + ["--", sandbox_bwrap.interpreter(), "-I", "-S", "-B", "-c", launch_code, json.dumps(config)])
 
 
-def _start(command, environment, workdir, pass_fds, feed_stdin):
+def _start(command, environment, workdir, pass_fds, feed_stdin, arm_death_signal):
+    """Start the launcher (or bwrap). bwrap arms its parent-death signal only after some of its
+    setup, so a caller killed before that left it running: with ``arm_death_signal`` the child
+    arms it before exec (it survives exec) and exits at once if the caller died already."""
     import subprocess
 
+    preexec = None
+    if arm_death_signal:
+        prctl, caller = _libc().prctl, os.getpid()  # resolved before the fork: no imports in the child
+
+        def preexec():
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != caller:
+                os._exit(SETUP_EXIT)
     return subprocess.Popen(command, stdin=subprocess.PIPE if feed_stdin else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
-                            start_new_session=True, cwd=workdir, env=environment, close_fds=True)
+                            start_new_session=True, cwd=workdir, env=environment, close_fds=True,
+                            preexec_fn=preexec)
 
 
 def _supervise(process, stdin_bytes: bytes, status_read: int, limits: SandboxLimits, start: float):
@@ -583,9 +600,25 @@ def _sweep_abandoned_workdirs() -> None:
         except ValueError:
             continue  # not one of ours
         except ProcessLookupError:
+            _kill_processes_of(os.path.join(directory, name))  # e.g. a bwrap child orphaned mid-setup
             _remove_tree(os.path.join(directory, name))
         except PermissionError:
             continue  # another user's live process
+
+
+def _kill_processes_of(workdir: str) -> None:
+    """SIGKILL every process whose command line names ``workdir`` (the launcher's configuration
+    and bwrap's binds do; the program's forks share the launcher's): what a run left behind."""
+    marker = workdir.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if marker in cmdline.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or another user's
 
 
 def _remove_tree(path: str) -> bool:
@@ -648,7 +681,7 @@ def launch(config_json: str) -> None:
         if bubblewrap:
             sandbox_dir, process_base = _enter_bubblewrap(config, report)  # returns in the program only
         elif config["isolation"] == "namespaces":
-            sandbox_dir, process_base = _enter_namespaces(workdir, limits, report)  # returns in PID 1 only
+            sandbox_dir, process_base = _enter_namespaces(workdir, limits, report, status_fd)  # in PID 1 only
         else:
             sandbox_dir, process_base = os.path.join(workdir, "work"), _processes_of_uid(os.getuid()) - 1
             os.chdir(sandbox_dir)
@@ -688,7 +721,7 @@ def _checked(result: int, what: str) -> None:
         raise OSError(number, f"{what}: {os.strerror(number)}")
 
 
-def _enter_namespaces(workdir: str, limits: SandboxLimits, report):
+def _enter_namespaces(workdir: str, limits: SandboxLimits, report, status_fd: int):
     """Unshare, fork PID 1 of the new PID namespace and, in it, build and enter the private root.
 
     The launcher (the parent of PID 1) waits for it and relays how it ended, then exits; it never
@@ -727,6 +760,7 @@ def _enter_namespaces(workdir: str, limits: SandboxLimits, report):
     # Set after the uid change, which clears it: if the launcher dies (the trainer's kill), PID 1
     # dies and with it the whole PID namespace.
     _checked(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    _exit_if_caller_gone(status_fd)  # ... unless it died before that, with the caller
     os.chdir(SANDBOX_DIR)
     return SANDBOX_DIR, process_base
 
@@ -739,7 +773,7 @@ def _enter_bubblewrap(config: dict, report):
     already counted against RLIMIT_NPROC)`` in the program."""
     child = os.fork()
     if child:
-        _relay(child, report)
+        _relay(child, report, lifeline=config["status_fd"])
     libc = _libc()
     if "sandbox_uid" in config:
         sandbox_uid = config["sandbox_uid"]
@@ -756,14 +790,52 @@ def _enter_bubblewrap(config: dict, report):
     return SANDBOX_DIR, process_base
 
 
-def _relay(child: int, report) -> None:
-    """The launcher: wait for PID 1, tell the parent how it ended, and exit the same way."""
-    for fd in (0, 1):  # keep only PID 1's copies of stdin/stdout, so EOF means it is done
+def _relay(child: int, report, lifeline: Optional[int] = None) -> None:
+    """The launcher: wait for the program, tell the parent how it ended, and exit the same way.
+
+    ``lifeline`` (under bwrap, where the launcher is PID 1): the status pipe's write end. bwrap's
+    child can miss its parent-death signal (armed after part of its setup, cleared by its
+    credential changes), and inside the PID namespace ``getppid()`` is 0 whether the caller lives
+    or not; but once the caller is gone the pipe has no reader, which ``poll`` reports as POLLERR.
+    Then the launcher exits, and the kernel ends the namespace with it."""
+    for fd in (0, 1):  # keep only the program's copies of stdin/stdout, so EOF means it is done
         os.close(fd)
+    if lifeline is not None:
+        _wait_unless_orphaned(child, lifeline)
     _, wait_status, _ = os.wait4(child, 0)
     code = os.waitstatus_to_exitcode(wait_status)
     report("exit", f"signal {-code}" if code < 0 else f"code {code}")
     os._exit(128 - code if code < 0 else code)
+
+
+def _exit_if_caller_gone(status_fd: int) -> None:
+    """Exit if the status pipe has no reader: the caller died (a process's files close before its
+    children are signalled, so this holds by the time a launcher it took along is gone). Inside
+    the PID namespace ``getppid()`` cannot tell: it is 0 either way."""
+    waiter = select.poll()
+    waiter.register(status_fd, 0)  # POLLERR and POLLHUP are always reported
+    if any(events & (select.POLLERR | select.POLLHUP) for _, events in waiter.poll(0)):
+        os._exit(SETUP_EXIT)
+
+
+def _wait_unless_orphaned(child: int, lifeline: int) -> None:
+    """Return when ``child`` exits; exit at once if ``lifeline`` (a pipe's write end) loses its reader."""
+    try:
+        child_fd = os.pidfd_open(child)
+    except (AttributeError, OSError):  # Linux < 5.3: poll for the exit instead
+        child_fd = None
+    waiter = select.poll()
+    waiter.register(lifeline, 0)  # POLLERR and POLLHUP are always reported
+    if child_fd is not None:
+        waiter.register(child_fd, select.POLLIN)
+    while True:
+        for fd, events in waiter.poll(None if child_fd is not None else EXIT_POLL_S * 1000):
+            if fd == lifeline and events & (select.POLLERR | select.POLLHUP):
+                os._exit(SETUP_EXIT)  # the caller died: as PID 1, this ends the program too
+            if fd == child_fd:
+                return
+        if child_fd is None and os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
 
 
 def _build_root(libc, new_root: str, limits: SandboxLimits, owner: Optional[int]) -> None:
