@@ -6,7 +6,9 @@
 one-line reason). Whatever the program does, the call returns within ``wall_s`` plus a fraction of
 a second, every process it started is gone, and the temporary directory is removed. If the
 caller itself dies mid-run (a reward worker killed on its timeout), the program dies with it
-(parent-death signals) and the next run removes the directory left behind.
+(parent-death signals; PID 1, which may have armed its own too late, also exits when the status
+pipe has lost its reader) and the next run removes the directory left behind, killing anything
+of that run still alive.
 
 Layers of containment, from the strongest. The first three are enforced by the kernel and hold
 against any program, including native code; the fourth is a convenience that gives clear reasons.
@@ -353,14 +355,13 @@ def _bubblewrap_command(config: dict, program_path: str, limits: SandboxLimits, 
     """``bwrap ... -- python -c <launcher> <config>`` (sandbox_bwrap.py). As root, the program's
     uid is chosen here, where the host's processes are visible, and so is ``RLIMIT_NPROC``'s base:
     the processes that uid has already (none, unless another run drew the same uid)."""
-    import random
-
     from logra_megatron.rl import sandbox_bwrap
 
     bwrap = sandbox_bwrap.find_bwrap()  # run_program checked that there is one
     as_root = os.geteuid() == 0
     if as_root:
-        config["sandbox_uid"] = SANDBOX_UID_BASE + random.randrange(SANDBOX_UID_SPAN)
+        # From the OS, not ``random``: reward workers forked from one trainer share its state.
+        config["sandbox_uid"] = SANDBOX_UID_BASE + int.from_bytes(os.urandom(4), "little") % SANDBOX_UID_SPAN
         config["process_base"] = _processes_of_uid(config["sandbox_uid"])
     launch_code = _LAUNCH.format(root=sandbox_bwrap.LAUNCHER_DIR)
     return (sandbox_bwrap.bwrap_command(bwrap, _PROJECT_ROOT, program_path, limits.disk_bytes, info_fd, as_root)
@@ -664,7 +665,7 @@ def launch(config_json: str) -> None:
     sys.path.remove(_PROJECT_ROOT)
     status_fd = config["status_fd"]
     bubblewrap = config["isolation"] == "bubblewrap"
-    if not bubblewrap:  # under bwrap, --die-with-parent does it (and the parent is outside the PID namespace)
+    if not bubblewrap:  # under bwrap: armed before bwrap's exec, and the launcher watches the status pipe
         _die_with_parent(config["parent_pid"])
 
     def report(kind: str, text: str) -> None:
