@@ -5,16 +5,17 @@ when it is installed and a probe run works; this module only says how. The sandb
 is the one the namespaces fallback builds by hand (sandbox.py, layer 3):
 
 - new PID, network, IPC, UTS and cgroup namespaces (plus a user namespace when the trainer is
-  not root); the network namespace has only a loopback interface, so nothing outside is
-  reachable;
+  not root), named one by one: ``--unshare-all`` would add a user namespace as root too (see
+  below); the network namespace has only a loopback interface, so nothing outside is reachable;
 - a tmpfs root holding read-only binds of ``/usr``, ``/lib*``, ``/bin``, ``/sbin`` and the
   interpreter's prefix, the five harmless devices, a ``/proc`` of the new PID namespace, the
   launcher's four source files and the program under ``/launcher``, and ``/sandbox``: a tmpfs
   of at most ``disk_bytes`` (``--size``), the working directory, ``HOME`` and ``TMPDIR``
   (``/tmp`` links there). The root itself is remounted read-only last;
 - the launcher is PID 1 (``--as-pid-1``): when it ends, the kernel kills the whole namespace;
-  ``--die-with-parent`` ends it when the trainer's side of bwrap dies, ``--new-session`` keeps
-  it off the trainer's terminal;
+  ``--die-with-parent`` ends it when the trainer's side of bwrap dies (armed late by bwrap:
+  sandbox.py also arms bwrap's before exec and has the launcher watch its status pipe),
+  ``--new-session`` keeps it off the trainer's terminal;
 - as root, bwrap runs privileged without a user namespace (one would map the sandbox's uid to
   host root, which ``RLIMIT_NPROC`` ignores) and keeps only the capabilities the launcher needs
   to hand ``/sandbox`` to the sandbox uid and switch to it (which then clears them); otherwise
