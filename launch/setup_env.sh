@@ -10,6 +10,28 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LOGRA_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
+# The code-reward sandbox runs programs under bubblewrap where it is installed, else under its
+# own namespaces code (logra_megatron/rl/sandbox.py). Install it once where apt-get is usable
+# (root, or password-less sudo); never fail the setup over it: one line, then the fallback.
+if ! command -v bwrap >/dev/null 2>&1; then
+    AS_ROOT=""
+    if [ "$(id -u)" -ne 0 ]; then
+        AS_ROOT="sudo -n"
+        sudo -n true >/dev/null 2>&1 || AS_ROOT="none"
+    fi
+    if [ "$AS_ROOT" != "none" ] && command -v apt-get >/dev/null 2>&1; then
+        # Without package lists (a fresh container) the first install fails: update, then again.
+        { $AS_ROOT env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap \
+          || { $AS_ROOT apt-get update -qq && $AS_ROOT env DEBIAN_FRONTEND=noninteractive \
+               apt-get install -y -qq bubblewrap; }; } >/dev/null 2>&1 || true
+    fi
+    if command -v bwrap >/dev/null 2>&1; then
+        echo "[setup] installed bubblewrap for the code-reward sandbox"
+    else
+        echo "[setup] bubblewrap not installed (apt-get unavailable or failed): the code-reward sandbox uses its namespaces fallback"
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
     "$PYTHON" -m venv "$VENV"

@@ -1,9 +1,10 @@
 """Hostile programs in the code-reward sandbox: each is contained, scores 0 with a reason, and
 leaves the trainer (this test process), its files and the machine as they were.
 
-Every hostile program runs in three modes: the full sandbox (namespaces + audit hook), the
-kernel layers alone (namespaces, no hook: shows what holds against native code), and the hook
-alone (the fallback where namespaces are unavailable). After each run the test checks that the
+Every hostile program runs on each isolation path: bubblewrap (what ``auto`` uses where bwrap is
+installed) and the hand-built namespaces fallback, each as the full sandbox (+ audit hook) and as
+the kernel layers alone (no hook: shows what holds against native code), and the hook alone (the
+last fallback, where no namespaces are available). After each run the test checks that the
 call returned within the wall limit plus a margin, that the temporary directory is gone, that no
 process of the run is left, that the trainer's files are unchanged, that the trainer received
 no signal and that a decoy process standing in for the trainer is alive.
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from logra_megatron.errors import UserError
+from logra_megatron.rl import sandbox, sandbox_bwrap
 from logra_megatron.rl.sandbox import SandboxLimits, namespace_probe, namespaces_work, run_program
 
 LIMITS = SandboxLimits(wall_s=2.5, cpu_s=1.0, memory_bytes=256 << 20, max_processes=4,
@@ -30,16 +32,30 @@ RETURN_MARGIN_S = 2.0
 """A run returns within ``wall_s`` plus this (kill, reap, cleanup; generous for a loaded machine)."""
 
 MODES = {
+    "bubblewrap+guard": dict(isolation="bubblewrap", audit_guard=True),
+    "bubblewrap-only": dict(isolation="bubblewrap", audit_guard=False),
     "namespaces+guard": dict(isolation="namespaces", audit_guard=True),
     "namespaces-only": dict(isolation="namespaces", audit_guard=False),
     "guard-only": dict(isolation="none", audit_guard=True),
 }
+SUPERVISORS = {"bubblewrap": 2, "namespaces": 1, "none": 0}
+"""Processes of a run that are not the program's and not limited by its RLIMIT_NPROC: bwrap's
+monitor outside the PID namespace and the launcher (PID 1 inside it), or the namespaces launcher."""
+
+
+def skip_unless_available(isolation: str) -> None:
+    """Bubblewrap is skipped only where bwrap is not installed (CI installs it): installed but not
+    working is a failure of the path ``auto`` prefers. The fallback is skipped where namespaces do
+    not work (then the guard-only runs still cover the last fallback)."""
+    if isolation == "bubblewrap" and sandbox_bwrap.find_bwrap() is None:
+        pytest.skip("bubblewrap path not tested: bwrap is not installed (apt-get install bubblewrap)")
+    if isolation == "namespaces" and not namespaces_work():
+        pytest.skip(f"namespaces unavailable here: {namespace_probe()}")
 
 
 @pytest.fixture(params=list(MODES))
 def mode(request):
-    if MODES[request.param]["isolation"] == "namespaces" and not namespaces_work():
-        pytest.skip(f"namespaces unavailable here: {namespace_probe()}")
+    skip_unless_available(MODES[request.param]["isolation"])
     return MODES[request.param]
 
 
@@ -144,7 +160,7 @@ def test_fork_bomb(trainer, mode):
     else:
         assert result.reason == "timeout"
     assert result.stdout.count("alive") <= LIMITS.max_processes
-    assert most[0] <= LIMITS.max_processes + 1, f"{most[0]} sandbox processes at once"  # + the launcher
+    assert most[0] <= LIMITS.max_processes + SUPERVISORS[mode["isolation"]], f"{most[0]} sandbox processes at once"
 
 
 def test_memory_blow_up(trainer, mode):
@@ -202,6 +218,8 @@ def test_opening_a_socket(trainer, mode):
         listener.close()
     if mode["audit_guard"]:
         assert result.reason == "network blocked"
+    elif mode["isolation"] == "bubblewrap":  # bwrap brings the new namespace's loopback up: nobody listens
+        assert "ConnectionRefusedError" in result.reason, result.reason
     else:
         assert "unreachable" in result.reason, result.reason
 
@@ -326,7 +344,7 @@ def test_bad_input_is_one_clear_error():
         SandboxLimits(max_processes=1.5)
     with pytest.raises(UserError, match="isolation must be one of"):
         run_program("print(1)", isolation="docker")
-    with pytest.raises(UserError, match="audit_guard=False needs isolation='namespaces'"):
+    with pytest.raises(UserError, match="audit_guard=False needs isolation='bubblewrap' or 'namespaces'"):
         run_program("print(1)", isolation="none", audit_guard=False)
 
 
@@ -352,3 +370,85 @@ def test_exiting_before_the_tests_does_not_pass(mode, early_exit, status):
     result = run_program(program, "", LIMITS, **mode)
     assert not result.passed and result.returncode == status, result
     assert result.reason == ("exited before the end of the program (status 0)" if status == 0 else "exit status 1")
+
+
+# --- which path, and what the program is -----------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces"])
+def test_the_program_runs_unprivileged(isolation):
+    # The kernel layers alone: no capabilities, no way to regain them, and as root another uid
+    # (RLIMIT_NPROC binds only then). Reads its own /proc, which each path mounts for it.
+    skip_unless_available(isolation)
+    program = ("import os\n"
+               "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+               "print(os.getuid(), status['CapEff'].strip(), status['CapPrm'].strip(), "
+               "status['NoNewPrivs'].strip(), os.getcwd(), sorted(os.listdir('/')))\n")
+    result = run_program(program, "", LIMITS, isolation=isolation, audit_guard=False)
+    assert result.passed, result
+    uid, effective, permitted, no_new_privs, cwd, top = result.stdout.split(maxsplit=5)
+    assert (int(uid) != 0) if os.geteuid() == 0 else (int(uid) == os.getuid()), result.stdout
+    assert int(effective, 16) == 0 and int(permitted, 16) == 0 and no_new_privs == "1"
+    assert cwd == "/sandbox"
+    assert "'work'" not in top and "'home'" not in top and "'etc'" not in top, top  # no host paths
+
+
+def test_auto_uses_bubblewrap_where_it_is_installed():
+    skip_unless_available("bubblewrap")
+    assert sandbox.selected_isolation() == "bubblewrap", sandbox.bubblewrap_probe()
+    assert run_program("print('hi')\n", "", LIMITS).isolation == "bubblewrap"
+    assert sandbox.isolation_report().startswith("sandbox: bubblewrap:")
+
+
+def test_auto_falls_back_to_namespaces_without_bwrap(monkeypatch):
+    skip_unless_available("namespaces")
+    monkeypatch.setattr(sandbox_bwrap, "find_bwrap", lambda: None)
+    sandbox.bubblewrap_probe.cache_clear()
+    try:
+        assert sandbox.selected_isolation() == "namespaces"
+        result = run_program(HUMAN_EVAL_LIKE, "", LIMITS)
+        assert result.passed and result.isolation == "namespaces", result
+        assert "namespaces fallback (bubblewrap: bwrap is not installed" in sandbox.isolation_report()
+        with pytest.raises(UserError, match="isolation='bubblewrap' needs bwrap"):
+            run_program("print(1)", isolation="bubblewrap")
+    finally:
+        sandbox.bubblewrap_probe.cache_clear()  # the next test probes the real machine again
+
+
+def wait_for_no_sandbox_process(seconds: float) -> list:
+    deadline = time.monotonic() + seconds
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sandbox_processes()
+
+
+@pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces"])
+def test_a_caller_killed_at_any_moment_leaves_no_process(isolation):
+    # A reward worker killed on its timeout may die while bwrap or the launcher is still setting
+    # up, before any parent-death signal is armed. The launcher and the program must end on their
+    # own (bwrap's path: the signal armed before exec, and PID 1's watch on the status pipe); a
+    # bwrap child orphaned inside its own setup runs no code of ours, and the next run's sweep
+    # kills it (module docstring).
+    skip_unless_available(isolation)
+    assert not sandbox_processes(), "a sandbox process was left over by an earlier test"
+    bwrap = os.fsencode(sandbox_bwrap.find_bwrap() or "bwrap")
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5):
+        caller = os.fork()
+        if caller == 0:
+            run_program("import time\ntime.sleep(60)\n", "", SandboxLimits(wall_s=30.0), isolation=isolation)
+            os._exit(0)
+        time.sleep(delay)
+        os.kill(caller, signal.SIGKILL)
+        os.waitpid(caller, 0)
+        left = wait_for_no_sandbox_process(5.0)
+        commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in left
+                    if os.path.exists(f"/proc/{pid}")}
+        if commands:
+            print(delay, commands)  # shown with -s
+        running = [pid for pid, command in commands.items() if command != bwrap]
+        for pid in running:  # killed, so that one failure does not fail every later test
+            os.kill(pid, signal.SIGKILL)
+        assert not running, f"killed after {delay}s, the caller left {commands}"
+        if left:
+            run_program("print(1)\n", "", LIMITS, isolation=isolation)  # the sweep
+            assert not wait_for_no_sandbox_process(2.0), "the next run's sweep left the killed run's bwrap"
+    run_program("print(1)\n", "", LIMITS, isolation=isolation)  # its sweep removes the killed runs' directories

@@ -6,7 +6,9 @@
 one-line reason). Whatever the program does, the call returns within ``wall_s`` plus a fraction of
 a second, every process it started is gone, and the temporary directory is removed. If the
 caller itself dies mid-run (a reward worker killed on its timeout), the program dies with it
-(parent-death signals) and the next run removes the directory left behind.
+(parent-death signals; PID 1, which may have armed its own too late, also exits when the status
+pipe has lost its reader) and the next run removes the directory left behind, killing anything
+of that run still alive.
 
 Layers of containment, from the strongest. The first three are enforced by the kernel and hold
 against any program, including native code; the fourth is a convenience that gives clear reasons.
@@ -22,25 +24,43 @@ against any program, including native code; the fourth is a convenience that giv
    the group id cannot have been reused). Output is read without blocking into a bounded
    buffer, and stdin is written without blocking, so a program that floods its output or never
    reads its input cannot stall the trainer or fill its memory.
-3. **Namespaces** (``isolation="namespaces"``; ``"auto"`` uses them when a probe run works). The
-   launcher unshares mount, network, PID, IPC and UTS namespaces (plus a user namespace when the
-   trainer is not root) and forks the program as PID 1 of the new PID namespace, which gives:
+3. **Namespaces**, from one of two builders; ``"auto"`` takes the first whose probe run works.
 
-   - *no network*: a new network namespace has only a loopback interface, and it is down;
+   - ``isolation="bubblewrap"``, the one used wherever ``bwrap`` (Debian's ``bubblewrap``;
+     ``launch/setup_env.sh`` installs it) is installed: the launcher runs under ``bwrap``, which
+     builds the sandbox below (its command line: :mod:`logra_megatron.rl.sandbox_bwrap`). The
+     launcher is PID 1 of the new PID namespace and forks the program; as root it switches the
+     program to the sandbox uid itself; everything else here (limits, supervision, status pipe,
+     reasons, cleanup) is shared by both builders.
+   - ``isolation="namespaces"``, the **fallback** where bubblewrap is not installed: this
+     module's own code (``unshare`` and ``pivot_root`` through ctypes, from ``_enter_namespaces``
+     on). The launcher unshares mount, network, PID, IPC and UTS namespaces (plus a user
+     namespace when the trainer is not root) and forks the program as PID 1 of the new PID
+     namespace.
+
+   Either way the program gets:
+
+   - *no network*: a new network namespace has only a loopback interface (down on the fallback;
+     bubblewrap brings it up, and nothing but the program can listen on it);
    - *no view of the trainer's processes*: they are not in the PID namespace, so ``os.kill`` of
      the trainer's pid cannot name it; when PID 1 ends (or its launcher dies: parent-death
      signal) the kernel kills every process in the namespace, so nothing outlives a run, not
      even a process that left the session with ``setsid``;
    - *no view of the trainer's files*: the program runs under ``pivot_root`` in a new root
      (tmpfs) that holds only read-only bind mounts of ``/usr``, ``/lib*``, ``/bin``, ``/sbin``,
-     the interpreter's prefix and ``/dev/{null,zero,full,random,urandom}``, a read-only
-     ``/proc`` of its own PID namespace, and ``/sandbox`` (its working directory, ``HOME`` and
-     ``TMPDIR``; ``/tmp`` links there), a tmpfs of at most ``disk_bytes``. Nothing else of the
+     the interpreter's prefix and ``/dev/{null,zero,full,random,urandom}``, a ``/proc`` of its
+     own PID namespace (read-only on the fallback; bubblewrap makes its ``sys`` and the like
+     read-only), under bubblewrap ``/launcher`` (the launcher's four source files and the
+     program, read-only), and ``/sandbox`` (its working directory, ``HOME`` and
+     ``TMPDIR``; ``/tmp`` links there), a tmpfs of at most ``disk_bytes`` (and, on the fallback,
+     4096 inodes; bubblewrap's ``--tmpfs`` takes only a size). Nothing else of the
      host (``/etc``, ``/home``, ``/root``, ``/work``, ``/tmp``...) exists for it, and the old
      root is detached. Writing, deleting or reading outside ``/sandbox`` therefore fails with
      ENOENT or EROFS;
    - *no privileges*: as root, the program drops to an otherwise unused uid (``60000 + pid %
-     5000``, so ``RLIMIT_NPROC`` binds and counts only the sandbox); otherwise the user
+     5000``, under bubblewrap a random one of those, so ``RLIMIT_NPROC`` binds and counts only
+     the sandbox: bwrap's own ``--uid`` would map it to host root, which that limit ignores,
+     so bwrap runs without a user namespace there); otherwise the user
      namespace maps the trainer's uid to itself and the program drops every capability. Then
      ``PR_SET_NO_NEW_PRIVS``. Mounts copied into any namespace it creates later are locked by
      the kernel, so it cannot make the read-only binds writable.
@@ -58,7 +78,7 @@ against any program, including native code; the fourth is a convenience that giv
    it. It is what makes a hostile program fail with a precise reason, and it is the only guard
    of the file system and of process creation by root when namespaces are unavailable.
 
-Without namespaces (``isolation="none"``: e.g. a container whose seccomp profile forbids
+Where neither builder works (``isolation="none"``: e.g. a container whose seccomp profile forbids
 ``unshare``) layers 1, 2 and 4 remain; the program then runs in ``<tmpdir>/work`` as the trainer's
 user, can see the host's files (the hook refuses them) and, as root, ``RLIMIT_NPROC`` does not
 bind (the hook refuses process creation); running without both namespaces and the hook is
@@ -176,7 +196,7 @@ class SandboxResult:
     cpu_s: float
     """CPU seconds used by the program and every process it waited for."""
     isolation: str
-    """``"namespaces"`` or ``"none"``."""
+    """``"bubblewrap"``, ``"namespaces"`` or ``"none"``."""
     workdir: str
     """The temporary directory it ran in; removed before the call returned (see ``cleaned``)."""
     cleaned: bool
@@ -187,15 +207,16 @@ class SandboxResult:
         return self.passed
 
 
-ISOLATIONS = ("auto", "namespaces", "none")
+ISOLATIONS = ("auto", "bubblewrap", "namespaces", "none")
 
 
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
                 isolation: str = "auto", audit_guard: bool = True) -> SandboxResult:
     """Run ``source`` as ``__main__`` in a sandbox (module docstring) and report how it ended.
 
-    ``isolation``: ``"auto"`` (namespaces when they work here, else ``"none"``), ``"namespaces"``
-    (required: a machine without them gives "sandbox setup failed"), or ``"none"``.
+    ``isolation``: ``"auto"`` (bubblewrap when it is installed and works here, else namespaces
+    when they work, else ``"none"``), ``"bubblewrap"`` or ``"namespaces"`` (required: a machine
+    where they do not work gives a failed run with the reason), or ``"none"``.
     ``audit_guard=False`` leaves out the audit hook (tests use it to check the kernel layers
     alone); it is refused with ``isolation="none"``, where nothing else would guard the files.
     """
@@ -208,33 +229,70 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     if isolation not in ISOLATIONS:
         raise UserError(f"run_program: isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if isolation == "auto":
-        isolation = "namespaces" if namespaces_work() else "none"
+        isolation = selected_isolation()
+    if isolation == "bubblewrap":
+        from logra_megatron.rl.sandbox_bwrap import find_bwrap
+
+        if find_bwrap() is None:
+            raise UserError("run_program: isolation='bubblewrap' needs bwrap (Debian/Ubuntu: apt-get install "
+                            "bubblewrap); isolation='auto' falls back to namespaces")
     if isolation == "none" and not audit_guard:
-        raise UserError("run_program: audit_guard=False needs isolation='namespaces'; without both nothing "
-                        "keeps the program off the trainer's files")
+        raise UserError("run_program: audit_guard=False needs isolation='bubblewrap' or 'namespaces'; without "
+                        "both nothing keeps the program off the trainer's files")
     return _run(source, stdin, limits, isolation, audit_guard)
+
+
+def _probe(isolation: str) -> str:
+    """``""`` when a trivial program runs under ``isolation`` here, else why not."""
+    result = _run('print("sandbox ok")', "", SandboxLimits(wall_s=30.0), isolation, True)
+    if result.passed and result.stdout.strip() == "sandbox ok":
+        return ""
+    return result.reason
+
+
+@functools.lru_cache(maxsize=None)
+def bubblewrap_probe() -> str:
+    """``""`` when ``bwrap`` is installed and a run under it works here, else why not (cached)."""
+    from logra_megatron.rl.sandbox_bwrap import find_bwrap
+
+    if find_bwrap() is None:
+        return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    return _probe("bubblewrap")
 
 
 @functools.lru_cache(maxsize=None)
 def namespace_probe() -> str:
-    """``""`` when namespace isolation works on this machine, else why not (run once, cached)."""
-    result = _run('print("sandbox ok")', "", SandboxLimits(wall_s=30.0), "namespaces", True)
-    if result.passed and result.stdout.strip() == "sandbox ok":
-        return ""
-    return result.reason
+    """``""`` when the fallback's namespace isolation works on this machine, else why not (cached)."""
+    return _probe("namespaces")
+
+
+def bubblewrap_works() -> bool:
+    return bubblewrap_probe() == ""
 
 
 def namespaces_work() -> bool:
     return namespace_probe() == ""
 
 
+def selected_isolation() -> str:
+    """What ``isolation="auto"`` uses here: bubblewrap, else the namespaces fallback, else none."""
+    if bubblewrap_works():
+        return "bubblewrap"
+    return "namespaces" if namespaces_work() else "none"
+
+
 def isolation_report() -> str:
-    """One line for the run log: which containment layers a sandboxed program gets here."""
-    if namespaces_work():
-        who = (f"uid {SANDBOX_UID_BASE}+ (dropped from root)" if os.geteuid() == 0
-               else "user namespace, no capabilities")
-        return f"sandbox: namespaces (mount, pid, net, ipc, uts), private root, {who}, rlimits, audit hook"
-    return f"sandbox: rlimits and audit hook only (namespaces unavailable: {namespace_probe()})"
+    """One line for the run log: which containment path and layers a sandboxed program gets here."""
+    isolation = selected_isolation()
+    if isolation == "none":
+        return (f"sandbox: rlimits and audit hook only (bubblewrap: {bubblewrap_probe()}; "
+                f"namespaces: {namespace_probe()})")
+    who = (f"uid {SANDBOX_UID_BASE}+ (dropped from root)" if os.geteuid() == 0
+           else "user namespace, no capabilities")
+    path = ("bubblewrap" if isolation == "bubblewrap"
+            else f"namespaces fallback (bubblewrap: {bubblewrap_probe()})")
+    return (f"sandbox: {path}: pid, net, ipc, uts, mount namespaces, private read-only root, {who}, "
+            f"rlimits, audit hook")
 
 
 # --- the parent side ---------------------------------------------------------------------------
@@ -253,15 +311,29 @@ def _run(source: str, stdin: str, limits: SandboxLimits, isolation: str, audit_g
         status_read, status_write = os.pipe()
         config = {"workdir": workdir, "isolation": isolation, "audit_guard": audit_guard,
                   "status_fd": status_write, "parent_pid": os.getpid(), "limits": limits.__dict__}
-        command = [sys.executable, "-I", "-S", "-B", "-c", _LAUNCH.format(root=_PROJECT_ROOT), json.dumps(config)]
+        pass_fds = (status_write,)
+        if isolation == "bubblewrap":
+            # bwrap writes PID 1's pid to its info fd: a second descriptor of the status pipe
+            # (bwrap closes the info fd, and the launcher needs the status one).
+            pass_fds += (os.dup(status_write),)
+            command = _bubblewrap_command(config, program_path, limits, pass_fds[1])
+        else:
+            command = [sys.executable, "-I", "-S", "-B", "-c", _LAUNCH.format(root=_PROJECT_ROOT),
+                       json.dumps(config)]
         environment = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
         try:
-            process = _start(command, environment, workdir, status_write, bool(stdin))
+            process = _start(command, environment, workdir, pass_fds, bool(stdin), isolation == "bubblewrap")
         finally:
-            os.close(status_write)
+            for fd in pass_fds:
+                os.close(fd)
         outputs, status, stopped_by, init_fd = _supervise(process, stdin.encode(), status_read, limits, start)
     finally:
+        init_known = init_fd is not None
         returncode, cpu = _end(process, init_fd)
+        if isolation != "none" and process is not None and not init_known:
+            # Stopped before bwrap or the launcher said which pid is PID 1 (mid-setup, e.g. at the
+            # wall limit on a loaded machine): PID 1 may not have armed its parent-death signal yet.
+            _kill_processes_of(workdir)
         if status_read is not None:
             os.close(status_read)
         cleaned = _remove_tree(workdir)
@@ -279,12 +351,41 @@ _LAUNCH = ("import sys; sys.path.insert(0, {root!r}); "
            "from logra_megatron.rl.sandbox import launch; launch(sys.argv[1])")
 
 
-def _start(command, environment, workdir, status_write, feed_stdin):
+def _bubblewrap_command(config: dict, program_path: str, limits: SandboxLimits, info_fd: int) -> list:
+    """``bwrap ... -- python -c <launcher> <config>`` (sandbox_bwrap.py). As root, the program's
+    uid is chosen here, where the host's processes are visible, and so is ``RLIMIT_NPROC``'s base:
+    the processes that uid has already (none, unless another run drew the same uid)."""
+    from logra_megatron.rl import sandbox_bwrap
+
+    bwrap = sandbox_bwrap.find_bwrap()  # run_program checked that there is one
+    as_root = os.geteuid() == 0
+    if as_root:
+        # From the OS, not ``random``: reward workers forked from one trainer share its state.
+        config["sandbox_uid"] = SANDBOX_UID_BASE + int.from_bytes(os.urandom(4), "little") % SANDBOX_UID_SPAN
+        config["process_base"] = _processes_of_uid(config["sandbox_uid"])
+    launch_code = _LAUNCH.format(root=sandbox_bwrap.LAUNCHER_DIR)
+    return (sandbox_bwrap.bwrap_command(bwrap, _PROJECT_ROOT, program_path, limits.disk_bytes, info_fd, as_root)
+            + ["--", sandbox_bwrap.interpreter(), "-I", "-S", "-B", "-c", launch_code, json.dumps(config)])
+
+
+def _start(command, environment, workdir, pass_fds, feed_stdin, arm_death_signal):
+    """Start the launcher (or bwrap). bwrap arms its parent-death signal only after some of its
+    setup, so a caller killed before that left it running: with ``arm_death_signal`` the child
+    arms it before exec (it survives exec) and exits at once if the caller died already."""
     import subprocess
 
+    preexec = None
+    if arm_death_signal:
+        prctl, caller = _libc().prctl, os.getpid()  # resolved before the fork: no imports in the child
+
+        def preexec():
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != caller:
+                os._exit(SETUP_EXIT)
     return subprocess.Popen(command, stdin=subprocess.PIPE if feed_stdin else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
-                            start_new_session=True, cwd=workdir, env=environment, close_fds=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
+                            start_new_session=True, cwd=workdir, env=environment, close_fds=True,
+                            preexec_fn=preexec)
 
 
 def _supervise(process, stdin_bytes: bytes, status_read: int, limits: SandboxLimits, start: float):
@@ -355,17 +456,24 @@ def _pidfd(pid: int) -> Optional[int]:
 
 
 def _open_init(launcher_pid: int, status: bytes) -> Optional[int]:
-    """A pidfd of PID 1 of the sandbox's PID namespace, from the launcher's first status line.
+    """A pidfd of PID 1 of the sandbox's PID namespace, from the status pipe's first line: the
+    namespaces launcher's ``init N``, or bwrap's ``{"child-pid": N, ...}`` (its info fd is this pipe).
 
-    The pid is checked to be a child of the launcher (the launcher has no other), so a line
-    forged by the program cannot point us at another process; the pidfd then keeps naming that
-    process even after it exits.
+    The pid is checked to be a child of the launcher (or of bwrap; neither has another), so a
+    line forged by the program cannot point us at another process; the pidfd then keeps naming
+    that process even after it exits.
     """
-    first, newline, _ = bytes(status).partition(b"\n")
-    if not newline or not first.startswith(b"init "):
+    lines = bytes(status).split(b"\n")
+    if len(lines) < 2:
+        return None
+    if lines[0].startswith(b"init "):
+        number = lines[0].split()[1:2]
+    elif len(lines) > 2 and lines[0] == b"{" and lines[1].strip().startswith(b'"child-pid":'):
+        number = lines[1].split(b":")[1].strip(b" ,").split()
+    else:
         return None
     try:
-        pid = int(first.split()[1])
+        pid = int(number[0])
     except (ValueError, IndexError):
         return None
     init_fd = _pidfd(pid)
@@ -493,9 +601,25 @@ def _sweep_abandoned_workdirs() -> None:
         except ValueError:
             continue  # not one of ours
         except ProcessLookupError:
+            _kill_processes_of(os.path.join(directory, name))  # e.g. a bwrap child orphaned mid-setup
             _remove_tree(os.path.join(directory, name))
         except PermissionError:
             continue  # another user's live process
+
+
+def _kill_processes_of(workdir: str) -> None:
+    """SIGKILL every process whose command line names ``workdir`` (the launcher's configuration
+    and bwrap's binds do; the program's forks share the launcher's): what a run left behind."""
+    marker = workdir.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if marker in cmdline.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or another user's
 
 
 def _remove_tree(path: str) -> bool:
@@ -508,8 +632,8 @@ def _remove_tree(path: str) -> bool:
                 pass
         try:
             function(failed_path)
-        except OSError:
-            pass
+        except (OSError, TypeError):  # TypeError: rmtree also reports os.open, which needs flags
+            pass  # the next pass of rmtree tries again; another user's directory just stays
 
     for _ in range(3):
         shutil.rmtree(path, onerror=make_writable_and_retry)
@@ -540,7 +664,9 @@ def launch(config_json: str) -> None:
     config = json.loads(config_json)
     sys.path.remove(_PROJECT_ROOT)
     status_fd = config["status_fd"]
-    _die_with_parent(config["parent_pid"])
+    bubblewrap = config["isolation"] == "bubblewrap"
+    if not bubblewrap:  # under bwrap: armed before bwrap's exec, and the launcher watches the status pipe
+        _die_with_parent(config["parent_pid"])
 
     def report(kind: str, text: str) -> None:
         try:
@@ -550,11 +676,13 @@ def launch(config_json: str) -> None:
 
     limits = SandboxLimits(**config["limits"])
     workdir = config["workdir"]
-    with open(os.path.join(workdir, "program.py"), encoding="utf-8") as program_file:
+    with open(os.path.join(_PROJECT_ROOT if bubblewrap else workdir, "program.py"), encoding="utf-8") as program_file:
         source = program_file.read()
     try:
-        if config["isolation"] == "namespaces":
-            sandbox_dir, process_base = _enter_namespaces(workdir, limits, report)  # returns in PID 1 only
+        if bubblewrap:
+            sandbox_dir, process_base = _enter_bubblewrap(config, report)  # returns in the program only
+        elif config["isolation"] == "namespaces":
+            sandbox_dir, process_base = _enter_namespaces(workdir, limits, report, status_fd)  # in PID 1 only
         else:
             sandbox_dir, process_base = os.path.join(workdir, "work"), _processes_of_uid(os.getuid()) - 1
             os.chdir(sandbox_dir)
@@ -594,7 +722,7 @@ def _checked(result: int, what: str) -> None:
         raise OSError(number, f"{what}: {os.strerror(number)}")
 
 
-def _enter_namespaces(workdir: str, limits: SandboxLimits, report):
+def _enter_namespaces(workdir: str, limits: SandboxLimits, report, status_fd: int):
     """Unshare, fork PID 1 of the new PID namespace and, in it, build and enter the private root.
 
     The launcher (the parent of PID 1) waits for it and relays how it ended, then exits; it never
@@ -633,18 +761,82 @@ def _enter_namespaces(workdir: str, limits: SandboxLimits, report):
     # Set after the uid change, which clears it: if the launcher dies (the trainer's kill), PID 1
     # dies and with it the whole PID namespace.
     _checked(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    _exit_if_caller_gone(status_fd)  # ... unless it died before that, with the caller
     os.chdir(SANDBOX_DIR)
     return SANDBOX_DIR, process_base
 
 
-def _relay(child: int, report) -> None:
-    """The launcher: wait for PID 1, tell the parent how it ended, and exit the same way."""
-    for fd in (0, 1):  # keep only PID 1's copies of stdin/stdout, so EOF means it is done
+def _enter_bubblewrap(config: dict, report):
+    """Inside bwrap, as PID 1 of its PID namespace: fork the program and relay how it ended (the
+    launcher never returns from here). In the program, as root, take ``/sandbox`` and switch to
+    the sandbox uid, which clears the capabilities bwrap left (sandbox_bwrap.py); then as on the
+    fallback, ``NO_NEW_PRIVS`` and the parent-death signal. Returns ``(sandbox dir, processes
+    already counted against RLIMIT_NPROC)`` in the program."""
+    child = os.fork()
+    if child:
+        _relay(child, report, lifeline=config["status_fd"])
+    libc = _libc()
+    if "sandbox_uid" in config:
+        sandbox_uid = config["sandbox_uid"]
+        os.chown(SANDBOX_DIR, sandbox_uid, sandbox_uid)
+        os.setgroups([])
+        os.setresgid(sandbox_uid, sandbox_uid, sandbox_uid)
+        os.setresuid(sandbox_uid, sandbox_uid, sandbox_uid)
+        process_base = config["process_base"]  # counted by the parent on the host's /proc
+    else:
+        process_base = 1  # bwrap's user namespace holds only the launcher besides the program
+    _checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _checked(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    os.chdir(SANDBOX_DIR)
+    return SANDBOX_DIR, process_base
+
+
+def _relay(child: int, report, lifeline: Optional[int] = None) -> None:
+    """The launcher: wait for the program, tell the parent how it ended, and exit the same way.
+
+    ``lifeline`` (under bwrap, where the launcher is PID 1): the status pipe's write end. bwrap's
+    child can miss its parent-death signal (armed after part of its setup, cleared by its
+    credential changes), and inside the PID namespace ``getppid()`` is 0 whether the caller lives
+    or not; but once the caller is gone the pipe has no reader, which ``poll`` reports as POLLERR.
+    Then the launcher exits, and the kernel ends the namespace with it."""
+    for fd in (0, 1):  # keep only the program's copies of stdin/stdout, so EOF means it is done
         os.close(fd)
+    if lifeline is not None:
+        _wait_unless_orphaned(child, lifeline)
     _, wait_status, _ = os.wait4(child, 0)
     code = os.waitstatus_to_exitcode(wait_status)
     report("exit", f"signal {-code}" if code < 0 else f"code {code}")
     os._exit(128 - code if code < 0 else code)
+
+
+def _exit_if_caller_gone(status_fd: int) -> None:
+    """Exit if the status pipe has no reader: the caller died (a process's files close before its
+    children are signalled, so this holds by the time a launcher it took along is gone). Inside
+    the PID namespace ``getppid()`` cannot tell: it is 0 either way."""
+    waiter = select.poll()
+    waiter.register(status_fd, 0)  # POLLERR and POLLHUP are always reported
+    if any(events & (select.POLLERR | select.POLLHUP) for _, events in waiter.poll(0)):
+        os._exit(SETUP_EXIT)
+
+
+def _wait_unless_orphaned(child: int, lifeline: int) -> None:
+    """Return when ``child`` exits; exit at once if ``lifeline`` (a pipe's write end) loses its reader."""
+    try:
+        child_fd = os.pidfd_open(child)
+    except (AttributeError, OSError):  # Linux < 5.3: poll for the exit instead
+        child_fd = None
+    waiter = select.poll()
+    waiter.register(lifeline, 0)  # POLLERR and POLLHUP are always reported
+    if child_fd is not None:
+        waiter.register(child_fd, select.POLLIN)
+    while True:
+        for fd, events in waiter.poll(None if child_fd is not None else EXIT_POLL_S * 1000):
+            if fd == lifeline and events & (select.POLLERR | select.POLLHUP):
+                os._exit(SETUP_EXIT)  # the caller died: as PID 1, this ends the program too
+            if fd == child_fd:
+                return
+        if child_fd is None and os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
 
 
 def _build_root(libc, new_root: str, limits: SandboxLimits, owner: Optional[int]) -> None:
