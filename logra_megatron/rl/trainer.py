@@ -182,8 +182,8 @@ def run_phases(config: TrainConfig, exit_handler: ExitSignalHandler) -> dict:
 # --- phases ------------------------------------------------------------------------------------
 
 def build(config: TrainConfig) -> Run:
-    """Process groups, tokenizer, tasks, model + optimizer, engine, controller, logger; the
-    state of a resumed run."""
+    """Process groups, model + optimizer, engine, controller, logger; the state of a resumed run;
+    the tokenizer, tasks and prompt format that ``resolve`` built (``config.inputs``)."""
     config = config if config.model_config is not None else resolve(config)
     start_time = time.perf_counter()
     parallel.initialize(config.parallel.tensor_model_parallel_size,
