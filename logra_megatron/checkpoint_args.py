@@ -13,9 +13,10 @@ refused with one line naming the arg.
 """
 
 import argparse
+import copy
 import os
 import pickle
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from logra_megatron.errors import UserError
 from logra_megatron.models import ModelConfig
@@ -57,16 +58,34 @@ def read_checkpoint_args(directory: str) -> Optional[argparse.Namespace]:
     return args if isinstance(args, argparse.Namespace) else None
 
 
+_COMMON_STATES: Dict[str, Tuple[tuple, dict]] = {}
+"""The last common state read from each file, with the file's identity when it was read (see
+:func:`read_common_state`)."""
+
+
 def read_common_state(directory: str) -> dict:
-    """A torch_dist checkpoint's common state (``common.pt``)."""
+    """A torch_dist checkpoint's common state (``common.pt``), read from disk once per file per
+    process: a start from ``--load`` asks for it several times (is it a checkpoint, its
+    architecture, its tokenizer, then dist_checkpointing's load). Read again when the file changed
+    (another inode, size or modification time: a new save in its place). Each caller gets its own
+    copy: dist_checkpointing merges the loaded tensors into the dict it is given."""
+    path = os.path.abspath(os.path.join(directory, COMMON_STATE_FILE))
+    stat = os.stat(path)
+    identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    kept = _COMMON_STATES.get(path)
+    if kept is None or kept[0] != identity:
+        kept = _COMMON_STATES[path] = (identity, _load_common_state(path))
+    return copy.deepcopy(kept[1])
+
+
+def _load_common_state(path: str) -> dict:
     import torch  # not at the top: the config schema imports this module before torch is needed
 
     # Megatron-LM pickles its whole namespace (enums and dtypes of megatron.core and torch, at
     # times classes of megatron.training, which is not installed here): only a full unpickler
     # reads it, as Megatron-LM's own loader does; --load names a checkpoint the user trusts.
     # Classes that do not import here become inert placeholders.
-    return torch.load(os.path.join(directory, COMMON_STATE_FILE), map_location="cpu", weights_only=False,
-                      pickle_module=_lenient_pickle)
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
 
 
 def common_state_strategy():

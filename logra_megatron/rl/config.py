@@ -15,7 +15,9 @@ Sections defined by their own layer: ``optimizer``, ``lr_schedule``, ``kl``, ``r
 preset, or ``--load``'s ``model_config.json``), the tokenizer's vocabulary is applied, and the
 layout is checked against the world size, the task source is built (a JSONL file read, a
 reasoning-gym dataset configured) and its prompts formatted, and the reward is chosen (the task's
-own unless ``--reward``) and checked against the task, all before any process group starts.
+own unless ``--reward``) and checked against the task, all before any process group starts. What
+it built for those checks (the tokenizer, the task source, the prompt format: :class:`RunInputs`)
+rides on the config it returns, and the trainer uses them instead of building them again.
 """
 
 import dataclasses
@@ -456,6 +458,44 @@ class TrainConfig:
     def dtype_name(self) -> str:
         return "bf16" if self.model.bf16 else "fp32"
 
+    @property
+    def inputs(self) -> Optional["RunInputs"]:
+        """The tokenizer, task source and prompt format :func:`resolve` built for this config;
+        None on any other config (``TrainConfig()``, or a ``dataclasses.replace`` of a resolved
+        one, whose sections may differ: :func:`run_inputs` builds them then). Kept outside the
+        dataclass fields: they are built objects, not settings (equality, ``fields()`` and the
+        flag schema see settings only)."""
+        return self.__dict__.get(_INPUTS_ATTRIBUTE)
+
+
+_INPUTS_ATTRIBUTE = "_run_inputs"
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run builds from its flags before any process group: built once, by :func:`resolve`
+    (which needs them to check the flags), and handed to the trainer on the resolved config. A
+    task source may read a file or generate a dataset, a tokenizer load a model."""
+
+    tokenizer: object
+    """The run's :class:`~logra_megatron.tokenizer.Tokenizer` (rl/tokenizers.py)."""
+    tasks: TaskSource
+    prompt_format: PromptFormat
+
+
+def run_inputs(config: TrainConfig) -> RunInputs:
+    """The :class:`RunInputs` of a resolved ``config``: those :func:`resolve` built, else (a config
+    changed since, see :attr:`TrainConfig.inputs`) built now."""
+    if config.inputs is not None:
+        return config.inputs
+    return _task_inputs(config.task, build_run_tokenizer(config.model, config.load_dir))
+
+
+def _task_inputs(task: TaskConfig, tokenizer) -> RunInputs:
+    """The task source ``task`` names and its prompt format, beside ``tokenizer``."""
+    source = build_task_source(task)
+    return RunInputs(tokenizer, source, build_prompt_format(task, source, tokenizer))
+
 
 def _preset_with_heads(source: ModelSourceConfig) -> ModelConfig:
     """The preset, with ``--num-attention-heads`` / ``--num-query-groups`` when given."""
@@ -544,12 +584,15 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
         raise UserError(f"--prompts-per-step {config.rollout.prompts_per_step} must be a multiple of the "
                         f"data-parallel size {layout.data_parallel}")
     _check_micro_batch(config, layout.data_parallel)
-    source = build_task_source(config.task)
-    prompt_format = build_prompt_format(config.task, source, tokenizer)
+    inputs = _task_inputs(config.task, tokenizer)
+    source, prompt_format = inputs.tasks, inputs.prompt_format
     reward = _resolve_reward(config, source, prompt_format)
     _check_task_supply(config, source)
     _check_sequence_length(config, tokenizer, model, name, source, prompt_format)
-    return dataclasses.replace(config, model_config=model, load_dir=load_dir, reward=reward)
+    resolved = dataclasses.replace(config, model_config=model, load_dir=load_dir, reward=reward)
+    # What the checks built is what the run uses (the trainer: rl/trainer.py build): built once.
+    object.__setattr__(resolved, _INPUTS_ATTRIBUTE, inputs)
+    return resolved
 
 
 def _untied(source: ModelSourceConfig, model: ModelConfig, load_dir: Optional[str]) -> ModelConfig:

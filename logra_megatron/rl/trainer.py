@@ -32,7 +32,7 @@ from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.checkpointing import (check_shared_checkpoints, load_training_state, optimizer_compatibility,
                                              save_training_state)
-from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, widened_heads_line
+from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, run_inputs, widened_heads_line
 from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
 from logra_megatron.rl.evaluation import EvalResult, evaluate_records
 from logra_megatron.rl.memory_plan import plan_line, plan_summary
@@ -42,9 +42,9 @@ from logra_megatron.rl.reward_runner import RewardRunner
 from logra_megatron.rl.rewards import get_reward
 from logra_megatron.tokenizer import HUGGINGFACE_TYPES
 from logra_megatron.rl.preemption import ExitSignalHandler
-from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
-from logra_megatron.rl.tasks import TaskSource, build_task_source
-from logra_megatron.rl.tokenizers import build_run_tokenizer, run_tokenizer_files
+from logra_megatron.rl.prompt_format import PromptFormat
+from logra_megatron.rl.tasks import TaskSource
+from logra_megatron.rl.tokenizers import run_tokenizer_files
 from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward
@@ -182,8 +182,8 @@ def run_phases(config: TrainConfig, exit_handler: ExitSignalHandler) -> dict:
 # --- phases ------------------------------------------------------------------------------------
 
 def build(config: TrainConfig) -> Run:
-    """Process groups, tokenizer, tasks, model + optimizer, engine, controller, logger; the
-    state of a resumed run."""
+    """Process groups, model + optimizer, engine, controller, logger; the state of a resumed run;
+    the tokenizer, tasks and prompt format that ``resolve`` built (``config.inputs``)."""
     config = config if config.model_config is not None else resolve(config)
     start_time = time.perf_counter()
     parallel.initialize(config.parallel.tensor_model_parallel_size,
@@ -191,8 +191,9 @@ def build(config: TrainConfig) -> Run:
     # Several ranks (nodes): --save must be one directory all of them see, --load the same checkpoint
     # everywhere; else one error line now, not a lost save later (docs/MULTI_NODE.md).
     check_shared_checkpoints(config.checkpoint.save, config.load_dir)
-    tokenizer = build_run_tokenizer(config.model, config.load_dir)
-    tasks = build_task_source(config.task)
+    # The tokenizer, task source and prompt format resolve built to check the flags (built once).
+    inputs = run_inputs(config)
+    tokenizer, tasks = inputs.tokenizer, inputs.tasks
     model, ddp, optimizer = build_trainable(config.model_config, config.optimizer, config.logra,
                                             dtype=_dtype(config), seed=config.run.seed,
                                             recompute=config.recompute,
@@ -219,7 +220,7 @@ def build(config: TrainConfig) -> Run:
                controller=controller, logger=logger,
                reward=RewardRunner(get_reward(config.reward.name), timeout_s=config.reward.timeout_s,
                                    workers=config.reward.workers),
-               prompt_format=build_prompt_format(config.task, tasks, tokenizer),
+               prompt_format=inputs.prompt_format,
                held_out=tasks.held_out(config.run.eval_prompts),
                state=state, start_time=start_time)
 
