@@ -18,6 +18,7 @@ import sys
 
 from logra_megatron.config import build_parser, parse_train_args
 from logra_megatron.errors import exit_on_user_error
+from logra_megatron.rl.config import replace_settings
 
 
 def parse_args(argv):
@@ -30,7 +31,7 @@ def parse_args(argv):
     checkpoint = dataclasses.replace(config.checkpoint, load_optim=False, save=None)
     run = dataclasses.replace(config.run, output_dir=config.run.output_dir or os.path.join("runs", "evaluation"),
                               progress=False)
-    return dataclasses.replace(config, checkpoint=checkpoint, run=run)
+    return replace_settings(config, checkpoint=checkpoint, run=run)  # the run's inputs built once
 
 
 @exit_on_user_error

@@ -103,3 +103,16 @@ def test_a_config_changed_after_resolve_builds_its_own_inputs():
     built = run_inputs(changed)
     assert built.tasks is not resolved.inputs.tasks and built.tasks.config.max_operand == 4
     assert built.prompt_format.source is built.tasks
+
+
+def test_evaluation_keeps_the_inputs_its_flags_built():
+    """``evaluate`` changes only its checkpoint and run sections: the inputs ``resolve`` built come
+    along (``replace_settings``), where a change of the task would drop them."""
+    from logra_megatron.evaluate import parse_args
+    from logra_megatron.rl.config import replace_settings, resolve, TrainConfig
+
+    config = parse_args([])
+    assert config.inputs is not None and config.checkpoint.save is None
+    resolved = resolve(TrainConfig(), world_size=1)
+    assert replace_settings(resolved, run=resolved.run).inputs is resolved.inputs
+    assert replace_settings(resolved, task=dataclasses.replace(resolved.task, max_operand=4)).inputs is None

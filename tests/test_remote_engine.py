@@ -30,6 +30,21 @@ def test_the_registry_takes_the_engine_by_module_and_attribute(monkeypatch):
     assert issubclass(engine_class, RemoteEngine) and engine_class.name == "echo"
 
 
+def test_the_low_rank_sync_flag_takes_any_remote_engine(monkeypatch):
+    """``--policy-sync lowrank`` is for engines with their own weights: the base class says so,
+    not a list of names (the in-trainer Megatron engine is refused)."""
+    from logra_megatron.config import parse_train_args
+    from logra_megatron.errors import UserError
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    config = parse_train_args(["--rollout-engine", "echo_engine:EchoEngine", "--policy-sync", "lowrank",
+                               "--optimizer", "logra"], world_size=1)
+    assert config.rollout.policy_sync == "lowrank"
+    with pytest.raises(UserError, match="the megatron engine samples from the trainer's weights"):
+        parse_train_args(["--rollout-engine", "megatron", "--policy-sync", "lowrank", "--optimizer", "logra"],
+                         world_size=1)
+
+
 def test_a_full_sync_reaches_the_worker_under_hf_names(results):
     found = result(results, "echo", 0)
     assert found["class"] == "EchoEngine" and found["separate_process"]

@@ -41,7 +41,7 @@ from logra_megatron.rl.prompt_format import PromptFormat, build_prompt_format
 from logra_megatron.rl.rewards import RewardConfig, check_reward_fits_task
 from logra_megatron.rl.tasks import PROVIDES_ANSWER, TaskConfig, TaskSource, build_task_source
 from logra_megatron.rl.tokenizers import build_run_tokenizer
-from logra_megatron.rollout.engine import ROLLOUT_ENGINES, check_engine_available
+from logra_megatron.rollout.engine import ROLLOUT_ENGINES, check_engine_available, engine_syncs_low_rank
 from logra_megatron.rollout.types import SamplingConfig
 from logra_megatron.schema import BadValue, option
 from logra_megatron.tokenizer import HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES
@@ -259,10 +259,10 @@ class RolloutConfig:
         None, help="Megatron's sequence length: the cap on prompt + response tokens of a rollout (the longest "
                    "prompt + --max-new-tokens must fit it); at most the model's max sequence length, which is the "
                    "cap without it")
-    sync_bucket_mb: int = option(512, help="weight sync into a separate rollout engine (vllm): MiB of "
+    sync_bucket_mb: int = option(512, help="weight sync into a remote rollout engine (vllm): MiB of "
                                            "tensors converted and handed over at a time")
     policy_sync: str = option("full", choices=("full", "lowrank"),
-                              help="weight sync into a separate rollout engine (vllm): full (every weight) or "
+                              help="weight sync into a remote rollout engine (vllm): full (every weight) or "
                                    "lowrank (LoGRA's factors of the steps since the last sync, applied by the "
                                    "engine; a full sync at each projection refresh)")
     full_sync_interval: int = option(10, help="with --policy-sync lowrank: a full sync at least every this "
@@ -270,10 +270,11 @@ class RolloutConfig:
 
     def __post_init__(self):
         ROLLOUT_ENGINES.check(self.engine)
-        if self.policy_sync == "lowrank" and self.engine != "vllm":
-            raise UserError(f"--policy-sync lowrank updates a rollout engine's own weights: it needs "
-                            f"--rollout-engine vllm (the {self.engine} engine samples from the trainer's weights)")
         check_engine_available(self.engine)
+        if self.policy_sync == "lowrank" and not engine_syncs_low_rank(self.engine):
+            raise UserError(f"--policy-sync lowrank updates a rollout engine's own weights: it needs "
+                            f"--rollout-engine vllm or another remote engine (the {self.engine} engine "
+                            "samples from the trainer's weights)")
         _at_least(self, 1, "sync_bucket_mb", "full_sync_interval")
         for name in ("prompts_per_step", "global_batch_size", "seq_length"):
             if getattr(self, name) is not None:
@@ -489,6 +490,16 @@ def run_inputs(config: TrainConfig) -> RunInputs:
     if config.inputs is not None:
         return config.inputs
     return _task_inputs(config.task, build_run_tokenizer(config.model, config.load_dir))
+
+
+def replace_settings(config: TrainConfig, **changes) -> TrainConfig:
+    """``dataclasses.replace(config, **changes)`` that keeps what :func:`resolve` built when the
+    sections it was built from (the task, the model and where it loads from) are not among the
+    changes: evaluation changes only its checkpoint and run sections, and builds nothing twice."""
+    changed = dataclasses.replace(config, **changes)
+    if config.inputs is not None and not changes.keys() & {"task", "model", "model_config", "load_dir"}:
+        object.__setattr__(changed, _INPUTS_ATTRIBUTE, config.inputs)
+    return changed
 
 
 def _task_inputs(task: TaskConfig, tokenizer) -> RunInputs:

@@ -73,6 +73,14 @@ def check_engine_available(name: str) -> None:
                         f"install it with: {install}")
 
 
+def engine_syncs_low_rank(name: str) -> bool:
+    """Whether engine ``name`` takes ``--policy-sync lowrank``: its class lists it in
+    ``policy_syncs`` (rollout/remote_engine.py: ``RemoteEngine`` does; an engine that samples from
+    the trainer's own weights has no copy to update). Imports the engine's module, not what it
+    runs on (vLLM is imported when the engine first runs)."""
+    return "lowrank" in getattr(ROLLOUT_ENGINES.get(name), "policy_syncs", ("full",))
+
+
 def build_rollout_engine(name: str, model, **options) -> RolloutEngine:
     """The engine ``name`` names, sampling from ``model`` (this rank's stage of the policy).
 

@@ -148,6 +148,9 @@ class RemoteEngine:
     ``vocab_size`` the real vocabulary (default: the first ``generate`` call's
     ``SamplingConfig.vocab_size``, else the model's padded one)."""
 
+    policy_syncs = POLICY_SYNCS
+    """The ``--policy-sync`` kinds this engine takes (rollout/engine.py: ``engine_syncs_low_rank``)."""
+
     name = "remote"
     in_process_allowed = True
     """Whether the engine may run in the trainer's process when the job has one rank (a
