@@ -19,17 +19,18 @@ allocations), and the planner's dense-Adam verdict for the same job.
 """
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.models.config import PRESETS  # noqa: E402
+from _bench_common import run_json_child  # noqa: E402
 
 GIB = 1 << 30
 LARGEST_FIRST = ("qwen2.5-32b", "gemma-2-27b", "mistral-small-24b", "llama3-8b", "qwen2.5-7b",
@@ -79,10 +80,7 @@ def plan_flags(args, preset: str, recompute: tuple, gpu_memory_gib: float) -> li
 def plan(args, preset: str, recompute: tuple, gpu_memory_gib: float, *extra: str) -> dict:
     command = [sys.executable, str(REPO / "tools" / "plan_memory.py"),
                *plan_flags(args, preset, recompute, gpu_memory_gib), *extra, "--json"]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
-    if proc.returncode != 0:
-        raise UserError(f"the planner failed for {preset}: {proc.stderr.strip()[-300:]}")
-    return json.loads(proc.stdout)["plans"]
+    return run_json_child(command, f"planner for {preset}", timeout=120)["plans"]
 
 
 def choose(args, gpu_memory_gib: float):
