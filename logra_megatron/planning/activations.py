@@ -6,6 +6,17 @@ Megatron's schedule, then the KL controller around the optimizer) and returns it
 what was live before the step, ``peak_step_bytes`` (what ``platform/memory.py:
 AllocationTracker`` measures), with the bytes live at that moment by component.
 
+**The microbatch**: packed (``PlanSettings.packed``, the trainer's default with SDPA attention),
+one ``[1, t]`` sequence of the token budget (``--max-tokens-per-microbatch``; a row longer than
+it alone), ``b = 1``, ``s = t``, whatever ``micro_batch_size x seq_length`` is; padded, ``b`` rows
+of ``s = seq_length``. What packing changes (models/sdpa_attention.py ``_packed_forward``,
+Megatron's ``_apply_rotary_pos_emb_thd``): SDPA runs once per row (tiles and per-call
+gradients of a row of ``seq_length`` at most), its output pieces and logsumexp are saved beside
+the context, which is a copy of their concatenation; each row's q/k/v slice gradient is a
+zero-filled full-size tensor added into the accumulated one; the rotary frequencies are built
+per token; the batch holds the packed ids, labels, positions and loss mask, and no ``s x s``
+mask. The KL controller's probe rows stay padded rows (``ProbeSet``).
+
 The replay follows the code, not a rule of thumb (``T = b x s`` tokens of a microbatch, ``e`` the
 bytes of the run's dtype, ``n``/``g``/``f``/``V`` the heads, kv heads, FFN width and padded
 vocabulary on this TP rank, ``d`` the head dimension):
