@@ -15,7 +15,7 @@ from logra_megatron.planning.activations import activation_bytes
 from logra_megatron.planning.settings import PlanSettings
 from logra_megatron.planning.validate import COMPONENT_BOUND, PEAK_BOUND
 from logra_megatron.rl.config import ModelSourceConfig, RunConfig, TrainConfig
-from logra_megatron.rl.memory_plan import plan_settings
+from logra_megatron.rl.memory_plan import plan_settings, plan_summary
 from logra_megatron.rl.packing import default_token_budget
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -99,3 +99,25 @@ def test_the_trainers_plan_takes_its_default_budget_and_no_pack_sequences():
     assert settings.max_tokens_per_microbatch == default_token_budget(settings.micro_batch_size, 512)
     padded = plan_settings(_run_config(pack_sequences=False), 1, 512, "logra")
     assert not padded.packed and padded.tokens_per_microbatch == padded.micro_batch_size * 512
+
+
+def test_the_trainers_start_up_line_plans_the_packed_run():
+    planned = plan_summary(_run_config(max_tokens_per_microbatch=3000), 1, 512)
+    assert 0 < planned["logra"] < planned["adam"]
+    assert plan_summary(_run_config(max_tokens_per_microbatch=6000), 1, 512)["logra"] > planned["logra"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "tools/plan_memory.py", "--preset", "tiny", "--json", *args],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
+
+
+def test_the_cli_packs_by_default_with_the_trainers_budget():
+    packed = json.loads(_cli("--micro-batch-size", "2", "--seq-length", "64").stdout)["settings"]
+    assert packed["packed"] and packed["tokens_per_microbatch"] == default_token_budget(2, 64)
+    padded = json.loads(_cli("--micro-batch-size", "2", "--seq-length", "64", "--no-pack-sequences").stdout)
+    assert not padded["settings"]["packed"]
+    budget = json.loads(_cli("--max-tokens-per-microbatch", "4096").stdout)["settings"]
+    assert budget["tokens_per_microbatch"] == 4096
+    proc = _cli("--max-tokens-per-microbatch", "-1")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --max-tokens-per-microbatch must be >= 0, got -1"
