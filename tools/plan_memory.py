@@ -35,6 +35,7 @@ from logra_megatron.planning.arguments import (GIB, add_arguments, data_parallel
                                                settings_from_args)
 from logra_megatron.planning.plan import fits, plan_memory, search_layouts  # noqa: E402
 from logra_megatron.planning.state import HOST_COMPONENTS, STATE_COMPONENTS, TRANSIENT_COMPONENTS  # noqa: E402
+from logra_megatron.rl.packing import default_token_budget  # noqa: E402
 
 LABELS = {"adam": "dense Adam", "adam-precision-aware": "dense Adam, precision-aware",
           "adam-cpu-offload": "dense Adam, CPU offload", "adam-8bit": "dense Adam, 8-bit moments",
@@ -52,7 +53,12 @@ def parse_args(argv):
                         help="measure a small run of these settings and compare it with the plan "
                              "(logra_megatron/planning/validate.py)")
     output.add_argument("--steps", type=int, default=3, help="--validate: optimizer steps of the measured run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_tokens_per_microbatch < 0:
+        raise UserError(f"--max-tokens-per-microbatch must be >= 0, got {args.max_tokens_per_microbatch}")
+    if not args.max_tokens_per_microbatch:  # 0: the trainer's own default budget (the planner takes it resolved)
+        args.max_tokens_per_microbatch = default_token_budget(args.micro_batch_size, args.seq_length)
+    return args
 
 
 def gib(value: int) -> float:
@@ -62,6 +68,9 @@ def gib(value: int) -> float:
 def settings_summary(settings) -> dict:
     values = asdict(settings)
     values["model"] = settings.model.to_dict()
+    # what the activations were planned on: packed (the trainer's default, SDPA only) or padded
+    values["packed"] = settings.packed
+    values["tokens_per_microbatch"] = settings.tokens_per_microbatch
     return values
 
 
@@ -179,7 +188,9 @@ def print_header(report: dict) -> None:
           f"{'bf16' if s['bf16'] else 'fp32'}; distributed optimizer {'on' if s['distributed_optimizer'] else 'off'}")
     print(f"LoGRA: rank {logra['rank']}, master {logra['master']}, embeddings "
           f"{'sketched' if logra['embeddings'] else 'dense'}, {logra['norm_probes']} norm probes; "
-          f"kl-control {s['kl_control']}; micro-batch {s['micro_batch_size']} x {s['seq_length']} tokens, "
+          f"kl-control {s['kl_control']}; "
+          + (f"packed microbatches of {s['tokens_per_microbatch']} tokens (rows of {s['seq_length']}), "
+             if s["packed"] else f"micro-batch {s['micro_batch_size']} x {s['seq_length']} tokens, ") +
           f"global batch {s['global_batch_size']}; recompute {s['recompute_granularity']}; "
           f"reference model {'yes' if s['reference_model'] else 'no'}")
     if report.get("rollout_sequences_total"):

@@ -6,6 +6,17 @@ Megatron's schedule, then the KL controller around the optimizer) and returns it
 what was live before the step, ``peak_step_bytes`` (what ``platform/memory.py:
 AllocationTracker`` measures), with the bytes live at that moment by component.
 
+**The microbatch**: packed (``PlanSettings.packed``, the trainer's default with SDPA attention),
+one ``[1, t]`` sequence of the token budget (``--max-tokens-per-microbatch``; a row longer than
+it alone), ``b = 1``, ``s = t``, whatever ``micro_batch_size x seq_length`` is; padded, ``b`` rows
+of ``s = seq_length``. What packing changes (models/sdpa_attention.py ``_packed_forward``,
+Megatron's ``_apply_rotary_pos_emb_thd``): SDPA runs once per row (tiles and per-call
+gradients of a row of ``seq_length`` at most), its output pieces and logsumexp are saved beside
+the context, which is a copy of their concatenation; each row's q/k/v slice gradient is a
+zero-filled full-size tensor added into the accumulated one; the rotary frequencies are built
+per token; the batch holds the packed ids, labels, positions and loss mask, and no ``s x s``
+mask. The KL controller's probe rows stay padded rows (``ProbeSet``).
+
 The replay follows the code, not a rule of thumb (``T = b x s`` tokens of a microbatch, ``e`` the
 bytes of the run's dtype, ``n``/``g``/``f``/``V`` the heads, kv heads, FFN width and padded
 vocabulary on this TP rank, ``d`` the head dimension):
@@ -99,6 +110,13 @@ class Dims:
     """Bytes per element of the run's dtype."""
     widened: bool
     """bf16 products computed in fp32 (the CPU adapter)."""
+    segment: int = 0
+    """Tokens of the longest sequence attention sees at once: ``s`` padded; packed (``b = 1``,
+    ``s`` the token budget), the longest row (``seq_length``), as SDPA runs once per row."""
+
+    @property
+    def longest(self) -> int:
+        return self.segment or self.s
 
     @property
     def tokens(self) -> int:
@@ -169,10 +187,16 @@ class _Step:
         self.last = stage == settings.pipeline_parallel - 1
         self.layers = settings.model.layers // settings.pipeline_parallel
         e = settings.weight_bytes_per_element
-        self.dims = Dims(b=settings.micro_batch_size, s=settings.seq_length, h=model.hidden,
+        # Packed (the trainer's default): one [1, t] sequence of the token budget per microbatch,
+        # whatever micro_batch_size x seq_length is; padded: b rows of s.
+        self.packed = settings.packed
+        rows, length = (1, settings.tokens_per_microbatch) if self.packed else (settings.micro_batch_size,
+                                                                                settings.seq_length)
+        self.dims = Dims(b=rows, s=length, h=model.hidden,
                          n=model.heads // tp, g=model.kv_heads // tp, d=model.kv_channels,
                          f=model.ffn_hidden // tp, vocab=model.padded_vocab(tp) // tp, e=e,
-                         widened=settings.bf16 and platform == "cpu")
+                         widened=settings.bf16 and platform == "cpu",
+                         segment=min(settings.seq_length, length))
         self.params = state_model.parameter_shapes(settings, stage)
         self.logra = settings.optimizer == "logra"
         self.sdpa = resolve_attention_backend(settings.attention_backend) == "sdpa"
@@ -246,8 +270,11 @@ class _Step:
         tl.alloc(p + ("qkv",), T * qkv * e, comp)
         tl.free(p + ("ln1", "out")) if not saved else None
         # Rotary embedding of q and k: t*cos + rotate_half(t)*sin, then cat with the (empty) pass part.
+        # Packed: Megatron's thd path (_apply_rotary_pos_emb_thd) first builds the restarted
+        # positions' frequencies (fp32, one per token) for each of q and k.
+        freqs = T * d.d * FP32 if self.packed else 0
         for name, heads in (("q", d.n), ("k", d.g)):
-            tl.moment(3 * T * heads * d.d * e, "forward_temporaries_bytes")
+            tl.moment(3 * T * heads * d.d * e + freqs, "forward_temporaries_bytes")
             tl.alloc(p + ("rope", name), 2 * d.s * d.d * e, comp)
             tl.alloc(p + (name,), T * heads * d.d * e, comp)
         gqa = d.n > d.g
@@ -319,6 +346,9 @@ class _Step:
         tl, d = self.timeline, self.dims
         context = d.tokens * d.n * d.d * d.e
         core = comp if core_saved else "forward_temporaries_bytes"
+        if self.packed:
+            self._packed_sdpa_forward(p, comp, core, core_saved)
+            return
         if self._sdpa_copies_context():
             tl.alloc(p + ("out",), context, core)
         else:
@@ -330,11 +360,28 @@ class _Step:
         if not core_saved:  # selective keeps core attention's inputs (and its output, the context)
             tl.free(p + ("out",), p + ("lse",), p + ("k_rep",), p + ("v_rep",))
 
+    def _packed_sdpa_forward(self, p, comp: str, core: str, core_saved: bool) -> None:
+        """SDPAttention's packed path (models/sdpa_attention.py ``_packed_forward``): SDPA once
+        per row, each saving its output piece and logsumexp (together a context and ``n t``
+        fp32), the pieces concatenated (``torch.cat``) and that ``[heads, t, d]`` copied into the
+        ``[t, heads x d]`` context linear_proj saves (transpose, reshape): a context more saved
+        than the padded path, and the concatenation for the op."""
+        tl, d = self.timeline, self.dims
+        context = d.tokens * d.n * d.d * d.e
+        tl.alloc(p + ("out",), context, core)
+        tl.alloc(p + ("lse",), d.n * d.tokens * FP32, core)
+        tl.moment(self._sdpa_tiles(backward=False), "forward_temporaries_bytes")
+        tl.alloc(p + ("cat",), context, "forward_temporaries_bytes")
+        tl.alloc(p + ("ctx",), context, comp)
+        tl.free(p + ("cat",))
+        if not core_saved:
+            tl.free(p + ("out",), p + ("lse",), p + ("k_rep",), p + ("v_rep",))
+
     def _sdpa_copies_context(self) -> bool:
         """Whether the context is a copy of SDPA's output: on CUDA in fp32 (no flash kernel; the
         memory-efficient one writes ``[b, s, heads, d]``) with more than one row per microbatch.
         The CPU kernel and CUDA's flash kernel write the query's layout."""
-        return self.platform == "cuda" and self.dims.e == FP32 and self.dims.b > 1
+        return self.platform == "cuda" and self.dims.e == FP32 and self.dims.b > 1 and not self.packed
 
     def _sdpa_tiles(self, backward: bool) -> int:
         """Bytes of the CPU flash kernel's per-thread tiles (one thread; aten's
@@ -343,11 +390,13 @@ class _Step:
         the run's dtype). CUDA's kernels tile in on-chip memory; their backward's fp32
         ``dq`` accumulator and ``softmax_d`` are what counts there."""
         d = self.dims
-        context = d.tokens * d.n * d.d
+        # One kernel call's: packed, one row's (the longest); padded, the microbatch's.
+        rows, length = (1, d.longest) if self.packed else (d.b, d.s)
+        context = rows * length * d.n * d.d
         if self.platform == "cuda":
-            return context * FP32 + d.b * d.n * d.s * FP32 if backward else 0
-        q_split = min(256 if d.s >= 768 else 64 if d.s >= 192 else 32, d.s)
-        kv_split = min(512, d.s)
+            return context * FP32 + rows * d.n * length * FP32 if backward else 0
+        q_split = min(256 if length >= 768 else 64 if length >= 192 else 32, length)
+        kv_split = min(512, length)
         block = q_split * kv_split
         reduced = d.e != FP32
         if backward:
@@ -561,12 +610,21 @@ class _Step:
             tl.alloc(p + ("out",), context, redo)
             tl.alloc(p + ("lse",), d.b * d.n * d.s * FP32, redo)
             tl.moment(self._sdpa_tiles(backward=False), redo)
+            if self.packed:  # the re-run's concatenation and context copy
+                tl.moment(2 * context, redo)
             if self._sdpa_copies_context():  # the re-run's context, which nothing uses
                 tl.moment(context, redo)
         tl.alloc(g + ("q",), context, comp)
         tl.alloc(g + ("k_rep",), context, comp)
         tl.alloc(g + ("v_rep",), context, comp)
-        tl.moment(self._sdpa_tiles(backward=True), comp)
+        if self.packed:
+            # Per row: the kernel's gradients of its q, k and v slices, and each slice's
+            # backward (SliceBackward) a zero-filled full-size gradient added into the
+            # accumulated one; one row at a time.
+            piece = d.longest * d.n * d.d * d.e
+            tl.moment(3 * piece + context + self._sdpa_tiles(backward=True), comp)
+        else:
+            tl.moment(self._sdpa_tiles(backward=True), comp)
         tl.free(g + ("ctx",), p + ("ctx",), p + ("out",), p + ("lse",), p + ("q",), p + ("k_rep",), p + ("v_rep",))
 
     def _input_of(self, mb, layer, stage_input):
@@ -676,7 +734,7 @@ class _Step:
         self._held = set()
         self._pending = {}
         per_replica = settings.global_batch_size // settings.data_parallel
-        microbatches = max(1, per_replica // settings.micro_batch_size)
+        microbatches = settings.num_microbatches
         # 1F1B's steady state repeats itself: past the warm-up and one steady step nothing new
         # can peak, so longer runs of microbatches are not replayed (a 64-microbatch plan of a
         # 32B model would otherwise take seconds per stage).
@@ -684,8 +742,11 @@ class _Step:
         tl.phase = "forward_backward"
         # lm_forward_backward: inputs and labels (int64) of the replica's batch, its loss mask,
         # the causal mask.
-        tl.alloc("batch", per_replica * d.s * (2 * INT64 + FP32) + d.s * d.s, "batch_bytes")
-        if self.sdpa:  # SDPAttention's test of that mask against a causal one, once per step
+        if self.packed:  # each packed microbatch's inputs, labels, positions (int64), loss mask; no mask
+            tl.alloc("batch", microbatches * d.tokens * (3 * INT64 + FP32), "batch_bytes")
+        else:
+            tl.alloc("batch", per_replica * d.s * (2 * INT64 + FP32) + d.s * d.s, "batch_bytes")
+        if self.sdpa and not self.packed:  # SDPAttention's test of that mask against a causal one, once per step
             tl.moment(d.s * d.s, "forward_temporaries_bytes")
         if settings.pipeline_parallel == 1:
             for mb in range(microbatches):
@@ -782,7 +843,9 @@ class _Step:
         tl = self.timeline
         saved_dims = self.dims
         rows, _ = probe_layout(self.settings)
-        self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": saved_dims.s + 1})
+        # The probe rows are padded rows of the batch (training/kl_control.py ProbeSet) in either layout.
+        self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": self.settings.seq_length + 1, "segment": 0})
+        saved_packed, self.packed = self.packed, False
         try:
             d = self.dims
             key = ("probe", self._probe_count)
@@ -804,6 +867,7 @@ class _Step:
                 tl.free(x)
         finally:
             self.dims = saved_dims
+            self.packed = saved_packed
 
     def _preview_side_paths(self) -> None:
         """LoGRA's preview inside a sketching layer: ``(X Q) U^T`` or ``(X U^T) P^T`` and the
@@ -823,7 +887,8 @@ class _Step:
             return
         d = self.dims
         rows, _ = probe_layout(self.settings)
-        self.timeline.moment(kl_reduction_bytes(rows * (d.s + 1), d.vocab, self.settings.kl_control), "probe_bytes")
+        tokens = rows * (self.settings.seq_length + 1)
+        self.timeline.moment(kl_reduction_bytes(tokens, d.vocab, self.settings.kl_control), "probe_bytes")
 
     def controller(self) -> None:
         """The step after the backward: plain optimizer step (``off``), or propose -> probe
@@ -898,9 +963,7 @@ def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda")
     result["peak_step_bytes"] = timeline.peak
     for phase in ("forward_backward", "optimizer", "controller"):
         result[f"{phase}_peak_bytes"] = timeline.phase_peaks.get(phase, 0)
-    per_replica = settings.global_batch_size // settings.data_parallel
-    microbatches = max(1, per_replica // settings.micro_batch_size)
-    result["microbatches_in_flight"] = min(settings.pipeline_parallel - stage, microbatches)
+    result["microbatches_in_flight"] = min(settings.pipeline_parallel - stage, settings.num_microbatches)
     return result
 
 

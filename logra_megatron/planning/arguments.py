@@ -1,9 +1,9 @@
 """The memory planner's flags (tools/plan_memory.py) and the :class:`PlanSettings` they give.
 
 Megatron's and the trainer's flag names where they exist, so a job's command line carries over.
-Defaults describe a plain run of the trainer (its LoGRA rank, master mode and KL control), one
-sequence per microbatch of 2048 tokens, 64 sequences per step and no rollout engine, unless the
-flags say otherwise.
+Defaults describe a plain run of the trainer (its LoGRA rank, master mode and KL control, its
+packed microbatches), sequences of 2048 tokens, one sequence's worth of tokens per microbatch, 64
+sequences per step and no rollout engine, unless the flags say otherwise.
 """
 
 import json
@@ -88,6 +88,14 @@ def add_arguments(parser) -> None:
     batch.add_argument("--global-batch-size", type=int, default=64,
                        help="sequences per optimizer step over all DP replicas (default 64)")
     batch.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence (default 2048)")
+    # The trainer's packing flags (rl/config.py RunConfig), with its meanings: packed by default.
+    batch.add_argument("--no-pack-sequences", dest="pack_sequences", action="store_false",
+                       help="plan padded microbatches (--micro-batch-size rows of --seq-length) instead of the "
+                            "trainer's packed ones (rows end to end up to --max-tokens-per-microbatch, attention "
+                            "per row; only with sdpa attention, as the trainer packs)")
+    batch.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+                       help="packed: tokens per microbatch, which the activations follow; 0 (default): the "
+                            "trainer's default, --micro-batch-size x --seq-length")
     batch.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                        help="core attention, as the trainer's flag: sdpa (auto; no seq x seq scores in memory) "
                             "or unfused (Megatron's DotProductAttention: b x heads x seq x seq scores per layer)")
@@ -177,6 +185,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
         distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, logra=logra,
         kl_control=args.kl_control, kl_probe_sequences=args.kl_probe_sequences,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        pack_sequences=args.pack_sequences, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         attention_backend=args.attention_backend, reference_model=args.reference_model,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.models.config import ModelConfig
+from logra_megatron.models.config import ModelConfig, resolve_attention_backend
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -71,6 +71,15 @@ class PlanSettings:
     which slime's recipe sets beside the offload): the GPU gradient buffer in fp32 or bf16
     (``adam-precision-aware`` always plans bf16)."""
     micro_batch_size: int = 1
+    """Rows per padded microbatch (the padded layout's ``b``; with packing, the KL probe's rows)."""
+    pack_sequences: bool = False
+    """The trainer's packed layout (``--no-pack-sequences`` off): a microbatch is one ``[1, t]``
+    sequence of rows end to end (``cu_seqlens``, attention per row), ``t`` =
+    :attr:`tokens_per_microbatch`; planned only where the trainer packs (SDPA attention:
+    :attr:`packed`). False: ``micro_batch_size`` rows padded to ``seq_length``."""
+    max_tokens_per_microbatch: int = 0
+    """The packed layout's token budget (``--max-tokens-per-microbatch``, already resolved: the
+    trainer's default is computed by its caller, ``rl/packing.py: default_token_budget``)."""
     global_batch_size: int = 1
     """Sequences per optimizer step over all data-parallel replicas."""
     seq_length: int = 2048
@@ -92,7 +101,28 @@ class PlanSettings:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     @property
+    def packed(self) -> bool:
+        """Whether microbatches are packed: as the trainer decides (rl/trainer.py
+        ``packing_options``), only with SDPA attention (Megatron's unfused attention takes no
+        packed sequences)."""
+        return self.pack_sequences and resolve_attention_backend(self.attention_backend) == "sdpa"
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        """Tokens of the largest microbatch: packed, the budget, or one whole row where a row is
+        longer (the trainer puts such a row alone in a microbatch); padded, ``b x s``."""
+        if self.packed:
+            return max(self.max_tokens_per_microbatch, self.seq_length)
+        return self.micro_batch_size * self.seq_length
+
+    @property
     def num_microbatches(self) -> int:
+        """Microbatches per DP replica and step: padded, rows over ``micro_batch_size``; packed,
+        the replica's tokens (every row at ``seq_length``: the most a step can hold) over the
+        budget, rounded up (rows are bin-packed whole: a full bin may fall short of it)."""
+        if self.packed:
+            per_replica = max(1, self.global_batch_size // self.data_parallel)
+            return max(1, -(-(per_replica * self.seq_length) // self.tokens_per_microbatch))
         return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel))
 
     @property

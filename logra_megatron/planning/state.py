@@ -144,6 +144,9 @@ def check_settings(settings: PlanSettings) -> None:
         raise UserError(f"--kl-control must be one of {', '.join(KL_MODES)}, got {settings.kl_control!r}")
     if settings.micro_batch_size < 1 or settings.seq_length < 1:
         raise UserError("--micro-batch-size and --seq-length must be >= 1")
+    if settings.pack_sequences and settings.max_tokens_per_microbatch < 1:
+        raise UserError(f"packed sequences need a token budget >= 1 (--max-tokens-per-microbatch), got "
+                        f"{settings.max_tokens_per_microbatch}")
     per_step = settings.micro_batch_size * settings.data_parallel
     if settings.global_batch_size < per_step or settings.global_batch_size % per_step:
         raise UserError(

@@ -11,7 +11,10 @@ peaks: the tracker's replay may keep a block a gloo thread freed unseen, see
 - every training-state component of :mod:`logra_megatron.planning.state`, measured from the live
   tensors (storages counted once, :func:`logra_megatron.training.measure.measure_components`,
   plus the norm probes' directions);
-- the peak of tracked tensor allocations during the step against
+- the peak of tracked tensor allocations during the step (packed with ``pack_sequences``: each
+  microbatch one ``[1, t]`` sequence of the token budget, whole rows of ``seq_length`` end to end
+  through ``models/positions.py: pack_rows`` and SDPAttention's packed path, filler to the
+  budget, as the trainer's pipeline fills its microbatches) against
   :func:`logra_megatron.planning.activations.peak_step_bytes` (``platform="cpu"`` on a machine
   without CUDA: what the CPU tracker records).
 
@@ -105,10 +108,19 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     controller = PredictedKLController(KLControlConfig(mode=settings.kl_control, realized_interval=0,
                                                        probe_sequences=settings.kl_probe_sequences))
 
+    if settings.packed:  # whole rows per microbatch, drawn like the padded batch's
+        rows_per_microbatch = settings.tokens_per_microbatch // settings.seq_length
+        sources = torch.randint(0, settings.model.vocab, (settings.num_microbatches * rows_per_microbatch,
+                                                          settings.seq_length + 1),
+                                generator=generator).to(model_device(model))
+
     def step():
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = lm_forward_backward(ddp, mine, settings.micro_batch_size)
+        if settings.packed:
+            loss = packed_lm_forward_backward(ddp, sources, rows_per_microbatch, settings.tokens_per_microbatch)
+        else:
+            loss = lm_forward_backward(ddp, mine, settings.micro_batch_size)
         return loss, controller.step(ddp, optimizer, probe)
 
     for _ in range(steps):
@@ -140,10 +152,55 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
             "tracked_peaks": peaks}
     record = {"rank": torch.distributed.get_rank(), "tp": parallel.tp_rank(), "pp": stage, "dp": dp_rank,
               "optimizer": settings.optimizer, "bf16": settings.bf16, "platform": platform, "loss": loss,
+              "packed": settings.packed, "tokens_per_microbatch": settings.tokens_per_microbatch,
               "components": components, "peak_step": peak,
               "plan_breakdown": {k: v for k, v in step_plan.items() if k != "peak_step_bytes"}}
     record["within_bounds"] = within_bounds(record)
     return record
+
+
+def packed_lm_forward_backward(model, sources, rows_per_microbatch: int, tokens: int) -> float:
+    """The LM loss's forward and backward on packed microbatches: each ``rows_per_microbatch``
+    rows of ``sources`` ([rows, seq + 1]: inputs ``[:, :-1]``, labels ``[:, 1:]``) packed into one
+    ``[1, tokens]`` sequence (``pack_rows``, filler to ``tokens`` as its own segment, out of the
+    loss), through Megatron's schedule (the loss inside the model, as
+    :func:`~logra_megatron.training.lm.lm_forward_backward` without ``vocab_size``). Returns the
+    mean loss, agreed over the pipeline and DP."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from logra_megatron import parallel
+    from logra_megatron.models.positions import pack_rows
+
+    inputs, labels = sources[:, :-1], sources[:, 1:]
+    real = torch.ones_like(inputs, dtype=torch.bool)
+    microbatches = []
+    for start in range(0, sources.shape[0], rows_per_microbatch):
+        part = slice(start, start + rows_per_microbatch)
+        packed = pack_rows(inputs[part], real[part], pad_to=tokens)
+        target = pack_rows(labels[part], real[part], pad_to=tokens).tokens
+        loss_mask = torch.zeros(1, tokens, dtype=torch.float, device=sources.device)
+        loss_mask[:, :packed.real_tokens] = 1.0
+        microbatches.append((packed.tokens, packed.position_ids, packed.params, target, loss_mask))
+
+    def forward_step(data_iterator, model):
+        ids, positions, params, target, loss_mask = next(data_iterator)
+        output = model(ids, positions, None, labels=target, packed_seq_params=params)
+        return output, lambda out: _packed_loss(loss_mask, out)
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=tokens, micro_batch_size=1, forward_only=False)
+    mean = 0.0
+    if parallel.is_last_stage():
+        mean = float(sum(item["lm loss"] for item in losses) / len(losses))
+    return parallel.agree_on_scalar(mean)
+
+
+def _packed_loss(loss_mask, per_token_loss):
+    """Mean over the real tokens of one packed microbatch (Megatron's 2-tuple loss contract)."""
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def within_bounds(record: Dict) -> bool:
