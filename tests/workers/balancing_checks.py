@@ -100,7 +100,8 @@ def balanced_equals_unbalanced(ddp, mode):
     return {"loss_diff": max(abs(a[0] - b[0]) for a, b in zip(plain, spread)),
             "loss": max(abs(a[0]) for a in plain),
             "grad_diff": max(float((a[1] - b[1]).abs().max()) for a, b in zip(plain, spread)),
-            "grad_scale": max(float(a[1].abs().max()) for a in plain)}
+            "grad_scale": max(float(a[1].abs().max()) for a in plain),
+            "moved": int((balanced.prompt_index != batch.prompt_index + ROWS * parallel.dp_rank()).sum())}
 
 
 def main():
