@@ -17,7 +17,7 @@ and engine log-probs are per row and are computed (or carried, the engine's) aft
 over the DP group and keeps this replica's share.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,33 @@ def assign_rows(lengths: Sequence[int], parts: Sequence[int], counts: Sequence[S
     return [[row for part in per_rank for row in sorted(part)] for per_rank in assigned]
 
 
+def plan_exchange(lengths: Sequence[Sequence[int]], num_minibatches: int) -> Optional[List[List[Tuple[int, int]]]]:
+    """Each rank's rows after balancing, as ``(source rank, source row)``, from every rank's row
+    lengths (``lengths[r][i]``: real tokens of rank r's row i); None when the balanced plan is no
+    better than the ranks' own rows. Each rank's parts are where ``split_minibatches`` cuts them
+    (they depend on its row count only) and it keeps their sizes (:func:`assign_rows`). The
+    cost compared is the sum over minibatches of the largest rank's tokens in it: each optimizer
+    step waits for its slowest replica (the DP gradient reduction)."""
+    sources, parts, counts = [], [], []
+    for rank, rows in enumerate(lengths):
+        split = split_minibatches(torch.arange(len(rows)), num_minibatches)
+        counts.append([len(part) for part in split])
+        for part, local in enumerate(split):
+            sources.extend((rank, int(i)) for i in local)
+            parts.extend([part] * len(local))
+    flat = [int(lengths[r][i]) for r, i in sources]
+    plan = assign_rows(flat, parts, counts)
+    own = [[index for index, (r, _) in enumerate(sources) if r == rank] for rank in range(len(lengths))]
+
+    def cost(assignment):
+        return sum(max(sum(flat[i] for i in mine if parts[i] == part) for mine in assignment)
+                   for part in range(num_minibatches))
+
+    if cost(plan) >= cost(own):
+        return None
+    return [[sources[i] for i in mine] for mine in plan]
+
+
 def token_ratio(loads: Sequence[int]) -> float:
     """max / min of the ranks' token counts (1: balanced; a rank with none counts as 1 token)."""
     return max(loads) / max(1, min(loads))
@@ -84,9 +111,9 @@ def _widen(tensor: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
 def balance_batch(batch: Rollouts, advantages: torch.Tensor, num_minibatches: int, pad_id: int,
                   enabled: bool = True) -> Tuple[Rollouts, torch.Tensor, Dict[str, float]]:
     """``(batch, advantages, metrics)``: this replica's share of the step's rows after the token
-    balancing (unchanged when not ``enabled``, with one replica, or when a replica has fewer rows
-    than ``num_minibatches``, where ``split_minibatches`` repeats a row and the parts would not
-    be kept). The rows of every replica are brought to one layout: prompts left-padded to the
+    balancing (unchanged when not ``enabled``, with one replica, when balancing gains nothing, or
+    when a replica has fewer rows than ``num_minibatches``, where ``split_minibatches`` repeats a
+    row and the parts would not be kept). The rows of every replica are brought to one layout: prompts left-padded to the
     widest prompt, completions right-padded to the widest completion (padding is masked). Metrics:
     ``dp_token_ratio_before`` and ``dp_token_ratio`` (max / min real tokens over the replicas)."""
     if parallel.dp_size() == 1:  # (the keys every step, whatever the layout)
@@ -103,25 +130,17 @@ def balance_batch(batch: Rollouts, advantages: torch.Tensor, num_minibatches: in
     dist.all_gather(shapes, shape, group=parallel.dp_group())
     shapes = torch.stack(shapes).tolist()
     most = max(s[0] for s in shapes)
-    all_lengths = _gather(lengths, most)
-    loads_before = [int(all_lengths[r * most: r * most + s[0]].sum()) for r, s in enumerate(shapes)]
+    row_lengths = _gather(lengths, most).tolist()
+    loads_before = [sum(row_lengths[r * most: r * most + s[0]]) for r, s in enumerate(shapes)]
     metrics = {"dp_token_ratio_before": token_ratio(loads_before)}
     if not enabled or min(s[0] for s in shapes) < num_minibatches:
         return batch, advantages, {**metrics, "dp_token_ratio": metrics["dp_token_ratio_before"]}
 
-    # Each replica's parts as split_minibatches cuts them (they depend on its row count only).
-    global_rows, parts, counts = [], [], []
-    for rank, s in enumerate(shapes):
-        split = split_minibatches(torch.arange(s[0]), num_minibatches)
-        counts.append([len(p) for p in split])
-        for part, local in enumerate(split):
-            global_rows.extend(rank * most + int(i) for i in local)
-            parts.extend([part] * len(local))
-    row_lengths = all_lengths.tolist()
-    plan = assign_rows([row_lengths[g] for g in global_rows], parts, counts)
-    loads_after = [sum(row_lengths[global_rows[i]] for i in mine) for mine in plan]
-    metrics["dp_token_ratio"] = token_ratio(loads_after)
-    keep = torch.tensor([global_rows[i] for i in plan[parallel.dp_rank()]], dtype=torch.long, device=device)
+    plan = plan_exchange([row_lengths[r * most: r * most + s[0]] for r, s in enumerate(shapes)], num_minibatches)
+    if plan is None:  # nothing to gain: every replica keeps its rows, nothing more moves
+        return batch, advantages, {**metrics, "dp_token_ratio": metrics["dp_token_ratio_before"]}
+    metrics["dp_token_ratio"] = token_ratio([sum(row_lengths[r * most + i] for r, i in mine) for mine in plan])
+    keep = torch.tensor([r * most + i for r, i in plan[parallel.dp_rank()]], dtype=torch.long, device=device)
 
     width = max(s[1] for s in shapes)
     completion = max(s[2] for s in shapes)

@@ -13,7 +13,7 @@ import random
 import pytest
 from dist_harness import result, run_workers
 
-from logra_megatron.rl.balancing import assign_rows, token_ratio
+from logra_megatron.rl.balancing import assign_rows, plan_exchange, token_ratio
 
 
 def loads(lengths, plan):
@@ -79,6 +79,20 @@ def test_small_instances_near_optimal():
 def test_counts_must_match_the_rows():
     with pytest.raises(ValueError):
         assign_rows([5, 5, 5], [0, 0, 0], [[1], [1]])
+
+
+def test_plan_exchange_moves_rows_only_when_it_helps():
+    # Already balanced per minibatch: nothing moves (no exchange, the batch stays as sampled).
+    assert plan_exchange([[10, 20, 30, 40], [20, 10, 40, 30]], 2) is None
+    # Skewed: a plan, every (rank, row) once, each rank keeping 2 rows of each of its 2 minibatches.
+    lengths = [[400, 390, 380, 370], [20, 15, 12, 10]]
+    plan = plan_exchange(lengths, 2)
+    assert plan is not None
+    assert sorted(source for mine in plan for source in mine) == [(r, i) for r in (0, 1) for i in range(4)]
+    for mine in plan:
+        assert [i // 2 for _, i in mine] == [0, 0, 1, 1]  # source minibatch of each row, in order
+    after = [sum(lengths[r][i] for r, i in mine) for mine in plan]
+    assert token_ratio(after) < 1.1 < token_ratio([sum(rows) for rows in lengths]), after
 
 
 @pytest.fixture(scope="module")
