@@ -95,6 +95,13 @@ def test_plan_exchange_moves_rows_only_when_it_helps():
     assert token_ratio(after) < 1.1 < token_ratio([sum(rows) for rows in lengths]), after
 
 
+def test_on_by_default_and_the_flag_turns_it_off():
+    from logra_megatron.config import parse_train_args
+
+    assert parse_train_args([]).run.balance_batch is True
+    assert parse_train_args(["--no-balance-batch"]).run.balance_batch is False
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_workers("balancing_checks.py", 2, tmp_path_factory.mktemp("balancing_checks"))
