@@ -68,7 +68,8 @@ def plan_exchange(lengths: Sequence[Sequence[int]], num_minibatches: int) -> Opt
     step waits for its slowest replica (the DP gradient reduction)."""
     sources, parts, counts = [], [], []
     for rank, rows in enumerate(lengths):
-        split = split_minibatches(torch.arange(len(rows)), num_minibatches)
+        # (host indices: only where split_minibatches cuts this rank's rows is read from them)
+        split = split_minibatches(torch.arange(len(rows), device="cpu"), num_minibatches)
         counts.append([len(part) for part in split])
         for part, local in enumerate(split):
             sources.extend((rank, int(i)) for i in local)
