@@ -342,6 +342,10 @@ class RunConfig:
     max_tokens_per_microbatch: int = option(0, help="packed sequences: real tokens per microbatch, rows "
                                                     "bin-packed up to it (a longer row alone); 0: "
                                                     "--micro-batch-size x the batch's padded length")
+    balance_batch: bool = option(True, flag="--no-balance-batch", negative=True,
+                                 help="keep each data-parallel replica's own rollouts instead of spreading the "
+                                      "step's rows over the replicas by token count (rl/balancing.py; exact: "
+                                      "each optimizer step sees the same rows)")
     eval_prompts: int = option(150, help="held-out prompts (never trained on) for the greedy accuracy")
     eval_samples: int = option(0, help="also sample this many completions per held-out prompt (at --temperature) "
                                        "and report pass@k with the unbiased estimator (0: greedy pass@1 only)")

@@ -30,6 +30,7 @@ from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
+from logra_megatron.rl.balancing import balance_batch
 from logra_megatron.rl.checkpointing import (check_shared_checkpoints, load_training_state, optimizer_compatibility,
                                              save_training_state)
 from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, run_inputs, widened_heads_line
@@ -306,6 +307,9 @@ def rl_step(run: Run, step: int) -> dict:
     tied = tied_groups(rewards, group_size)
     rows = kept_rows(rewards, group_size, config.advantages.dynamic_sampling)
     batch, batch_advantages = select_rows(rollouts, rows, advantages)
+    # The step's rows spread over DP replicas by token count (each optimizer step keeps its rows).
+    batch, batch_advantages, balance = balance_batch(batch, batch_advantages, config.loss.num_minibatches,
+                                                     tokenizer.pad_id, enabled=config.run.balance_batch)
 
     # Old (and reference) log-probs once per batch: every optimizer step below reuses them.
     micro = min(config.run.micro_batch_size, batch.num_sequences)
@@ -346,7 +350,7 @@ def rl_step(run: Run, step: int) -> dict:
         "skipped": 0.0 if control["success"] else 1.0, "skipped_steps": float(run.state.skipped_steps + (not control["success"])),
         "controller_time_s": control["controller_time_s"],
         "controller_extra_bytes": float(control["controller_extra_bytes"]),
-        **mismatch, "kl_budget": run.controller.budget(),
+        **mismatch, **balance, "kl_budget": run.controller.budget(),
         "tokens_per_s": agree(float(rollouts.response_mask.sum())) * parallel.dp_size() / elapsed,
         "tied_group_share": agree(float(tied.float().mean())),
         "sequences_in_loss": agree(float(batch.num_sequences)) * parallel.dp_size(),
