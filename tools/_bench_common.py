@@ -46,8 +46,12 @@ def validate_benchmark_args(args):
 
 
 def child_env() -> dict:
-    """The environment of a child run: one thread count for every row (2 unless set)."""
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    """The environment of a child run: one thread count for every row (2 unless set).
+
+    ``PYTHONFAULTHANDLER`` makes a child that dies of a signal (SIGABRT, SIGSEGV) print the Python
+    stack it died in, so a row that fails without output still says where.
+    """
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), PYTHONFAULTHANDLER="1")
 
 
 def free_port() -> int:
