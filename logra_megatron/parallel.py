@@ -175,6 +175,32 @@ def broadcast_object_from_last_stage(value):
     return holder[0]
 
 
+def replica_group():
+    """The replica's model-parallel (TP x PP) group, or None in a one-rank replica (or before
+    Megatron's groups exist)."""
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def is_replica_lead() -> bool:
+    """Whether this is the replica's first rank (its lowest global rank: tensor rank 0 of the first
+    pipeline stage), the one rank that talks to a rollout engine for the whole replica."""
+    group = replica_group()
+    return group is None or dist.get_rank(group) == 0
+
+
+def from_replica_lead(value):
+    """A picklable ``value`` as the replica's first rank holds it, on every rank of the replica."""
+    group = replica_group()
+    if group is None:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
+
+
 def agree_on_scalar(value, op: str = "mean") -> float:
     """The same float on every rank: computed on the last pipeline stage, broadcast over the
     pipeline group, then averaged (``op="mean"``) or maxed over data-parallel replicas.

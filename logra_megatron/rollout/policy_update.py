@@ -73,11 +73,6 @@ class LowRankMessage:
         return sum(t.numel() * t.element_size() for t in tensors) + 16 * len(self.steps)
 
 
-def _is_engine_rank() -> bool:
-    """The replica's first rank: tensor rank 0 of the first pipeline stage."""
-    return parallel.tp_rank() == 0 and parallel.pp_rank() == 0
-
-
 def _entries(optimizer) -> list:
     """The sketched weights that carry their own update (not a tied embedding's pipeline copy)."""
     return [entry for entry in optimizer.weights if not entry.pipeline_copy]
@@ -118,14 +113,14 @@ def low_rank_message(ddp_model, optimizer, commits, model: ModelConfig,
             mine[entry.name] = gather_full(entry.view(commit.update), entry.weight, entry.name)
         merged = merge_stages(mine)
         factors = {}
-        if _is_engine_rank():
+        if parallel.is_replica_lead():
             for name, factor in merged.items():
                 for hf_name, piece in hf_tensors(name, factor, model).items():
                     factors[hf_name] = piece.to(engine_dtype).contiguous()
         steps.append(LowRankStep(commit.step, commit.weight_decay, factors))
     sketched = {id(entry.weight) for entry in optimizer.weights}
     dense_state = full_state(unwrap_model(ddp_model), include=lambda param: id(param) not in sketched)
-    if not _is_engine_rank():
+    if not parallel.is_replica_lead():
         return None
     dense = {}
     for name, tensor in dense_state.items():

@@ -6,10 +6,10 @@ A subclass says how to start and stop its engine, how to hand its worker one cal
 sample; the rest is here:
 
 **Where it runs.** One engine per model replica, on the replica's first rank (tensor rank 0 of
-the first pipeline stage: :func:`is_engine_rank`). Every rank of the replica calls
+the first pipeline stage: :func:`logra_megatron.parallel.is_replica_lead`). Every rank of the replica calls
 ``generate`` and ``sync_weights``; only the engine's rank talks to the engine, and what it
 learns (the sampled rows, the sync's measurements, whether the engine failed) is broadcast over
-the replica's model-parallel group (:func:`from_engine_rank`), so every rank holds the same
+the replica's model-parallel group (:func:`logra_megatron.parallel.from_replica_lead`), so every rank holds the same
 :class:`Rollouts`, laid out as the Megatron engine lays them out (left padding, prompt-major
 rows, ``pad_id`` after EOS: :func:`rollouts_from_completions`). Every decision to start, restart
 or fall back is taken from values all ranks share.
@@ -52,8 +52,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
+from logra_megatron import parallel
 from logra_megatron.convert.hf import megatron_to_hf
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import model_device, unwrap_model
@@ -68,30 +68,6 @@ POLICY_SYNCS = ("full", "lowrank")
 COMMIT_LOG_LIMIT = 64
 """Most optimizer steps a low-rank sync replays (more, e.g. a supervised warm-up between two
 syncs: a full sync instead); an RL step commits ``--num-minibatches x --ppo-epochs``."""
-
-
-def _replica_group():
-    """The replica's model-parallel (TP x PP) group, or None in a one-rank replica."""
-    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
-        return None
-    group = parallel_state.get_model_parallel_group()
-    return group if dist.get_world_size(group) > 1 else None
-
-
-def is_engine_rank() -> bool:
-    """The replica's first rank (its lowest global rank: tensor rank 0 of the first stage)."""
-    group = _replica_group()
-    return group is None or dist.get_rank(group) == 0
-
-
-def from_engine_rank(value):
-    """``value`` as the engine's rank holds it, on every rank of the replica."""
-    group = _replica_group()
-    if group is None:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    return holder[0]
 
 
 def rollouts_from_completions(prompts: Sequence[Sequence[int]], completions: List[List[int]],
@@ -233,9 +209,9 @@ class RemoteEngine:
         if self.engine_vocab != vocab:
             self._full_sync(vocab)  # builds (or rebuilds) the engine first
         result = None
-        if is_engine_rank():
+        if parallel.is_replica_lead():
             result = self._sample(prompts, sampling)
-        completions, logprobs = from_engine_rank(result)
+        completions, logprobs = parallel.from_replica_lead(result)
         return rollouts_from_completions(prompts, completions, logprobs, sampling, device)
 
     def sync_weights(self, model, force_full: bool = False) -> Dict[str, float]:
@@ -318,7 +294,7 @@ class RemoteEngine:
                       "routes": routes(self.optimizer, self._hf_config(vocab),
                                        untied_output=not self._engine_config(vocab).tie_embeddings)}
         sent, restarted = 0, 0
-        if is_engine_rank():
+        if parallel.is_replica_lead():
             if rebuild or self.handle is None or self.engine_vocab != vocab:
                 self._start_engine(vocab)
             tensors = megatron_to_hf(state, self._hf_config(vocab))
@@ -335,7 +311,7 @@ class RemoteEngine:
             self.optimizer.log_commits(COMMIT_LOG_LIMIT)
         self.engine_vocab = vocab
         self.low_rank_since_full = 0
-        restarted = from_engine_rank(restarted)
+        restarted = parallel.from_replica_lead(restarted)
         self.restarts += restarted
         return self._measured(sent, start, low_rank=False)
 
@@ -370,7 +346,7 @@ class RemoteEngine:
         vocab = self.engine_vocab
         message = low_rank_message(self.model, self.optimizer, commits, self._hf_config(vocab), self._dtype())
         sent, failed = 0, False
-        if is_engine_rank():
+        if parallel.is_replica_lead():
             try:
                 self._call("logra_apply", message=message, dtype=self._dtype())
                 self._weights_loaded()
@@ -378,7 +354,7 @@ class RemoteEngine:
             except Exception:
                 failed = True
         del message
-        if from_engine_rank(failed):
+        if parallel.from_replica_lead(failed):
             self.restarts += 1
             return self._full_sync(vocab, rebuild=True)
         self.low_rank_since_full += 1
@@ -390,6 +366,6 @@ class RemoteEngine:
         measured = {"sync_bytes": float(sent), "sync_time_s": time.perf_counter() - start,
                     "sync_low_rank": float(low_rank), "sync_full_bytes": float(self.full_sync_bytes),
                     "sync_restarts": float(self.restarts)}
-        self.last_sync = from_engine_rank(measured)
+        self.last_sync = parallel.from_replica_lead(measured)
         self.full_sync_bytes = self.last_sync["sync_full_bytes"]
         return self.last_sync

@@ -61,6 +61,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from logra_megatron import parallel
 from logra_megatron.convert.hf import hf_config_from_model_config
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
@@ -68,7 +69,7 @@ from logra_megatron.models.config import ModelConfig
 # The names this module had before the remote-engine base was split out of it stay importable
 # from here (the vLLM tests import rollouts_from_completions from this module).
 from logra_megatron.rollout.remote_engine import (  # noqa: F401
-    COMMIT_LOG_LIMIT, MIB, POLICY_SYNCS, RemoteEngine, from_engine_rank, is_engine_rank,
+    COMMIT_LOG_LIMIT, MIB, POLICY_SYNCS, RemoteEngine,
     rollouts_from_completions, weight_buckets)
 from logra_megatron.rollout.types import SamplingConfig
 
@@ -184,14 +185,14 @@ class VLLMEngine(RemoteEngine):
         tokens before them: what the engine computes for fixed token sequences (tests compare
         them with the trainer's). The engine must hold weights (after a sync or a generate)."""
         result = None
-        if is_engine_rank():
+        if parallel.is_replica_lead():
             vllm = import_vllm()
             params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
             outputs = self.llm.generate([{"prompt_token_ids": list(sequence)} for sequence in sequences],
                                         params, use_tqdm=False)
             result = [[float(step[token].logprob) for step, token in zip(output.prompt_logprobs[1:], sequence[1:])]
                       for output, sequence in zip(outputs, sequences)]
-        return from_engine_rank(result)
+        return parallel.from_replica_lead(result)
 
     # --- the remote engine's hooks -----------------------------------------------------------
 

@@ -22,7 +22,7 @@ from logra_megatron.logra.config import LogRAConfig  # noqa: E402
 from logra_megatron.models import get_preset  # noqa: E402
 from logra_megatron.models.weights import full_state  # noqa: E402
 from logra_megatron.rollout.engine import build_rollout_engine  # noqa: E402
-from logra_megatron.rollout.remote_engine import is_engine_rank  # noqa: E402
+from logra_megatron.parallel import is_replica_lead  # noqa: E402
 from logra_megatron.rollout.types import SamplingConfig  # noqa: E402
 from logra_megatron.training.config import OptimizerSettings  # noqa: E402
 from logra_megatron.training.lm import lm_forward_backward  # noqa: E402
@@ -38,7 +38,7 @@ def delivered(model, engine):
     """On the engine's rank: (the names the worker holds == the trainer's HF names, the largest
     |worker - trainer| tensor sum, relative to that sum); None elsewhere. Collective over TP."""
     trainer = megatron_to_hf(full_state(model), MODEL.with_changes(vocab=VOCAB))
-    if not is_engine_rank():
+    if not is_replica_lead():
         return None
     seen = engine._rpc("echo_checksums")
     sums = {name: float(tensor.double().sum()) for name, tensor in trainer.items()}
