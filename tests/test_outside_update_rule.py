@@ -158,3 +158,25 @@ def test_planning_imports_no_rule_module():
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["['logra_megatron.logra.update_memory']"]
+
+
+def test_layouts_a_rule_excludes_follow_from_its_declarations(monkeypatch):
+    """ZeRO-1 and the identity projection are refused by what a rule declares (state per line,
+    projections redrawn), not by its name: the same outside class is accepted, then refused once
+    its declarations say so."""
+    from logra_megatron.errors import UserError
+    from logra_megatron.logra.config import LogRAConfig
+    from logra_megatron.logra.update_memory import LINE, REDRAW
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    import muon_like
+
+    LogRAConfig(update=RULE, zero1=True)
+    LogRAConfig(update=RULE, identity_projection=True)
+    monkeypatch.setattr(muon_like.MuonLike, "state_layout", LINE)
+    with pytest.raises(UserError, match="per line .*--use-distributed-optimizer") as error:
+        LogRAConfig(update=RULE, zero1=True)
+    assert "momentum" in str(error.value) and "\n" not in str(error.value)
+    monkeypatch.setattr(muon_like.MuonLike, "projections", REDRAW)
+    with pytest.raises(UserError, match="identity projection"):
+        LogRAConfig(update=RULE, identity_projection=True)

@@ -48,7 +48,7 @@ UPDATE_RULES.register(
     help="the reference implementation's rule: a fresh Rademacher projection every step, so "
          "--logra-refresh-interval, --logra-oversampling and --logra-norm-probes do not apply; one second "
          "moment per row, each step's update sized --logra-rowadam-step x ||W||; --kl-max-scale defaults to 3; "
-         "no --use-distributed-optimizer")
+         "no --use-distributed-optimizer (its state is per line)")
 UPDATE_RULE_NAMES = UPDATE_RULES.names()
 """The registered rules' names (outside rules come by path)."""
 
@@ -140,14 +140,25 @@ class LogRAConfig:
             self.rule_options()
         if not self.rowadam_step > 0:
             raise UserError(f"--logra-rowadam-step must be > 0, got {self.rowadam_step}")
-        if self.update == "rowadam" and self.zero1:
-            raise UserError("--logra-update rowadam keeps one second moment per row of each weight, which a "
-                            "ZeRO-1 slice of the sketch buffer cuts through: drop --use-distributed-optimizer")
-        if self.update == "rowadam" and self.identity_projection:
-            raise UserError("--logra-update rowadam draws a random projection every step: it cannot use the "
-                            "identity projection")
+        if self.zero1 or self.identity_projection:
+            self._check_rule_declarations()
         if self.second_moment not in MOMENT_POLICIES:
             raise UserError(f"--logra-second-moment must be one of {', '.join(MOMENT_POLICIES)}, got {self.second_moment!r}")
+
+    def _check_rule_declarations(self) -> None:
+        """Refuse the layouts the update rule's own declarations exclude (logra/update_memory.py),
+        whatever its name: state kept per line cannot be cut into ZeRO-1 slices, and a rule that
+        redraws its projections every step has no fixed (identity) one."""
+        # Imported here: update_memory imports this module's registry.
+        from logra_megatron.logra.update_memory import LINE, REDRAW, declared_memory
+        memory = declared_memory(self.update)
+        if self.zero1 and memory.state_layout == LINE:
+            raise UserError(f"--logra-update {self.update} keeps its state ({', '.join(memory.state_names)}) per "
+                            "line of each weight, which a ZeRO-1 slice of the sketch buffer cuts through: drop "
+                            "--use-distributed-optimizer")
+        if self.identity_projection and memory.projections == REDRAW:
+            raise UserError(f"--logra-update {self.update} draws a random projection every step: it cannot use "
+                            "the identity projection")
 
     def rule_options(self):
         """The update rule's options dataclass built from ``--logra-update-options`` (None when the
