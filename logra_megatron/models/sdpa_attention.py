@@ -32,7 +32,8 @@ head_dim]``) and computes the same function:
   d]``, the sequences end to end at the offsets ``cu_seqlens``, no mask): causal SDPA once per
   sequence, so attention never crosses a boundary and no padding is computed (the GRPO passes'
   packed microbatches, ``models/positions.py`` ``pack_rows``; Megatron's rotary path restarts the
-  positions at each offset).
+  positions at each offset). On CUDA in fp16/bf16 without dropout the whole microbatch is one
+  variable-length flash call instead (``models/varlen_attention.py``).
 - **Grouped-query attention**: key and value are repeated to the query heads per group before
   the call (as the unfused path does; CUDA's memory-efficient kernel, which masked batches need,
   has no grouped form).
@@ -59,6 +60,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+
+from logra_megatron.models.varlen_attention import flash_varlen, flash_varlen_usable
 
 _REMEMBERED = "_logra_sdpa_mask"
 """The attribute of a mask tensor that holds what this module derived from it."""
@@ -224,6 +227,10 @@ class SDPAttention(MegatronModule):
         if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(f"cu_seqlens must run from 0 to the packed length {total}, got {bounds[0]}..{bounds[-1]}")
         dropout = self.dropout_p if self.training else 0.0
+        if flash_varlen_usable(query, dropout):
+            context = flash_varlen(query, key, value, bounds, self.softmax_scale)
+            if context is not None:
+                return context.reshape(total, self.hidden_size_per_partition)
         # [t, heads, d] -> [heads, t, d]: views
         q, k, v = (tensor.transpose(0, 1) for tensor in (query, key, value))
         pieces = []
