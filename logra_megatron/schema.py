@@ -7,6 +7,13 @@ a dataclass from those fields, :func:`values_for` collects what the command line
 file) set, and the dataclass itself applies its defaults and validates in ``__post_init__``.
 So ``Config()`` built in Python and ``Config`` parsed from an empty command line are the same.
 
+The other entry points (the evaluation, the smoke job, the benchmarks, the example loop) declare
+the options they take with :func:`add_flags` (the trainer's flag, parser, choices and help; the
+schema's default unless the entry point gives its own on purpose, which the help then states) and
+check the values with :func:`validate_flags` (the dataclasses' own checks). Every action these
+functions create is marked :class:`Declared`, so tests/test_flag_vocabulary.py can tell a flag the
+schema owns that an entry point wrote by hand.
+
 Fields declared without :func:`option` are not flags: they are filled by the code that builds
 the config (a tokenizer's ids, a seed derived from ``--seed``).
 
