@@ -14,7 +14,6 @@ Flags are Megatron-LM's, with its meanings. Only this file's ``--optimizer`` lin
 between dense Adam and LoGRA (look for ``LOGRA``).
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -34,39 +33,51 @@ from logra_megatron.models.weights import initialize_layout_independent
 from logra_megatron.platform.phases import PhaseTimer, phase
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizer", choices=("adam", "logra"), default="logra")
-    parser.add_argument("--logra-rank", type=int, default=16, help="LoGRA's sketch rank")
-    parser.add_argument("--preset", default="tiny", help="model shape (logra_megatron.models presets; random weights)")
+def build_parser():
+    from logra_megatron.cli import ArgumentParser
+    from logra_megatron.logra import LogRAConfig
+    from logra_megatron.rl.config import CheckpointConfig, ModelSourceConfig, ParallelConfig, RolloutConfig, RunConfig
+    from logra_megatron.schema import add_flags
+    from logra_megatron.training.config import LRScheduleConfig, OptimizerSettings
+
+    # Megatron-LM's flags, declared by the package's config schema (logra_megatron/schema.py): the
+    # trainer's names, meanings and help. The defaults that differ from the trainer's are this
+    # example's: a run of seconds on a CPU that memorizes 64 random sequences from random weights
+    # (a pretraining-like lr, Megatron's 0.01 weight decay), where the trainer fine-tunes a policy.
+    parser = ArgumentParser(prog="megatron_loop", description=__doc__.split("\n\n")[0])
+    add_flags(parser, OptimizerSettings, "kind", "lr", "weight_decay", "clip_grad", "distributed",
+              defaults={"lr": 3e-3, "weight_decay": 0.01})
+    # One fixed rank at every layout and preset (docs/SCALING.md's overlap figures are at rank 16).
+    add_flags(parser, LogRAConfig, "rank", defaults={"rank": 16})
+    add_flags(parser, ModelSourceConfig, "preset", "bf16")
     parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: the preset's)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--use-distributed-optimizer", action="store_true")
-    parser.add_argument("--overlap-grad-reduce", action="store_true")
-    parser.add_argument("--overlap-param-gather", action="store_true")
+    add_flags(parser, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "overlap_grad_reduce")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="Megatron's interleaved pipeline: layers per model chunk (PP > 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron's sequence parallelism (TP > 1)")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="Megatron's: the distributed optimizer's parameter all-gather overlapped with the forward")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,
                         help="elements per gradient bucket (Megatron's; LoGRA's sketch buckets too)")
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--global-batch-size", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=32)
-    parser.add_argument("--train-iters", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--min-lr", type=float, default=3e-4)
-    parser.add_argument("--lr-warmup-iters", type=int, default=2)
-    parser.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--clip-grad", type=float, default=1.0)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--save", default=None)
-    parser.add_argument("--save-interval", type=int, default=None)
-    parser.add_argument("--load", default=None)
-    parser.add_argument("--exit-interval", type=int, default=None,
-                        help="exit (saving to --save) once the iteration is a multiple of this")
+    add_flags(parser, RunConfig, "micro_batch_size", "train_iters", "seed", "exit_interval",
+              defaults={"micro_batch_size": 2, "train_iters": 20})
+    add_flags(parser, RolloutConfig, "global_batch_size", "seq_length", defaults={"global_batch_size": 8, "seq_length": 32},
+              notes={"global_batch_size": "8 sequences per step", "seq_length": "32 tokens per sequence"})
+    add_flags(parser, LRScheduleConfig, "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters",
+              "lr_wsd_decay_style", "lr_wsd_decay_iters", defaults={"min_lr": 3e-4, "lr_warmup_iters": 2})
+    add_flags(parser, CheckpointConfig, "save", "save_interval", "load")
+    return parser
+
+
+def parse_args(argv):
+    from logra_megatron.schema import validate_flags
+    from logra_megatron.training.config import LRScheduleConfig
+
+    parser = build_parser()
     args = parser.parse_args(argv)
+    validate_flags(parser, args)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model = get_preset(args.preset)
     if args.num_layers is not None:
@@ -84,8 +95,13 @@ def parse_args(argv):
         args.virtual_pipeline = per_stage // args.num_layers_per_virtual_pipeline_stage
     if args.sequence_parallel and args.tensor_model_parallel_size < 2:
         raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.train_iters > 0 and args.lr_warmup_iters >= args.train_iters:
-        raise UserError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --train-iters ({args.train_iters})")
+    decay_iters = args.lr_decay_iters or args.train_iters  # Megatron's default: --train-iters
+    if args.train_iters > 0 and args.lr_warmup_iters >= decay_iters:
+        over = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        raise UserError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < {over} ({decay_iters})")
+    LRScheduleConfig(lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
+                     lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+                     lr_warmup_iters=args.lr_warmup_iters).check_iters(args.train_iters)
     per_step = args.micro_batch_size * layout.data_parallel
     if args.global_batch_size % per_step:
         raise UserError(f"--global-batch-size must be a multiple of micro batch x data-parallel = {per_step}")
@@ -162,12 +178,16 @@ def get_optimizer(args, model):
 def get_scheduler(args, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    # Steps count samples, as Megatron-LM's training.py counts them (iterations x global batch).
+    decay_iters = args.lr_decay_iters or args.train_iters
+    wsd_iters = args.lr_wsd_decay_iters
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        lr_decay_steps=decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant")
+        wd_incr_style="constant", wsd_decay_steps=wsd_iters * args.global_batch_size if wsd_iters else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
 def wire_overlap(args, model):

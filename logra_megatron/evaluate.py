@@ -16,17 +16,22 @@ import json
 import os
 import sys
 
-from logra_megatron.config import build_parser, parse_train_args
+from logra_megatron import schema
+from logra_megatron.config import build_parser as build_train_parser, parse_train_args
 from logra_megatron.errors import exit_on_user_error
-from logra_megatron.rl.config import replace_settings
+from logra_megatron.rl.config import RunConfig, replace_settings
+
+
+def build_parser():
+    """The trainer's parser (every flag from the schema's sections, with the trainer's defaults) and
+    ``--samples``, this entry point's short spelling of ``--eval-samples``."""
+    parser = build_train_parser("logra_megatron.evaluate", __doc__.split("\n\n")[0])
+    schema.add_alias(parser, "run", RunConfig, "eval_samples", "--samples")
+    return parser
 
 
 def parse_args(argv):
-    argv = ["--eval-samples" if item == "--samples" else
-            item.replace("--samples=", "--eval-samples=", 1) if item.startswith("--samples=") else item
-            for item in argv]
-    parser = build_parser("logra_megatron.evaluate", __doc__.split("\n\n")[0])
-    config = parse_train_args(argv, parser=parser)
+    config = parse_train_args(argv, parser=build_parser())
     # Evaluation reads the weights only, and writes no checkpoint.
     checkpoint = dataclasses.replace(config.checkpoint, load_optim=False, save=None)
     run = dataclasses.replace(config.run, output_dir=config.run.output_dir or os.path.join("runs", "evaluation"),

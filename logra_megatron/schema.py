@@ -7,6 +7,13 @@ a dataclass from those fields, :func:`values_for` collects what the command line
 file) set, and the dataclass itself applies its defaults and validates in ``__post_init__``.
 So ``Config()`` built in Python and ``Config`` parsed from an empty command line are the same.
 
+The other entry points (the evaluation, the smoke job, the benchmarks, the example loop) declare
+the options they take with :func:`add_flags` (the trainer's flag, parser, choices and help; the
+schema's default unless the entry point gives its own on purpose, which the help then states) and
+check the values with :func:`validate_flags` (the dataclasses' own checks). Every action these
+functions create is marked :class:`Declared`, so tests/test_flag_vocabulary.py can tell a flag the
+schema owns that an entry point wrote by hand.
+
 Fields declared without :func:`option` are not flags: they are filled by the code that builds
 the config (a tokenizer's ids, a seed derived from ``--seed``).
 
@@ -120,6 +127,38 @@ def _dest(section: str, item: dataclasses.Field) -> str:
     return f"{section}.{item.name}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """What :func:`add_arguments`, :func:`add_flags` and :func:`add_alias` leave on each argparse
+    action they create (as ``action.declared``): the option it stands for, and whether the entry
+    point chose its own default on purpose (``add_flags(defaults=...)``). A flag the schema owns
+    on an action without it was written by hand (tests/test_flag_vocabulary.py looks)."""
+
+    config_class: type
+    field: str
+    own_default: bool = False
+
+
+def _declare(action: argparse.Action, config_class, item: dataclasses.Field, own_default: bool = False):
+    action.declared = Declared(config_class, item.name, own_default)
+    return action
+
+
+def flags_of(config_class) -> Dict[str, dataclasses.Field]:
+    """Every flag ``config_class``'s options own (a negative switch's Megatron spelling too) -> its field."""
+    owned = {}
+    for item, _spec in options_of(config_class):
+        owned[flag_of(item)] = item
+        if positive_flag_of(item):
+            owned[positive_flag_of(item)] = item
+    return owned
+
+
+def default_of(item: dataclasses.Field):
+    """An option's default, as the dataclass applies it."""
+    return _default_of(item)
+
+
 def add_arguments(parser: argparse.ArgumentParser, section: str, config_class, title: str,
                   description: Optional[str] = None) -> None:
     """Add one argument group: a flag per :func:`option` field of ``config_class``. Defaults are
@@ -131,15 +170,29 @@ def add_arguments(parser: argparse.ArgumentParser, section: str, config_class, t
         common = dict(dest=_dest(section, item), default=argparse.SUPPRESS)
         if _base_type(item.type) is bool:
             action = "store_false" if spec["negative"] else "store_true"
-            group.add_argument(flag_of(item), action=action, help=help_of(item), **common)
+            _declare(group.add_argument(flag_of(item), action=action, help=help_of(item), **common),
+                     config_class, item)
             if spec.get("positive_flag"):
-                group.add_argument(spec["positive_flag"], action="store_true",
-                                   help=f"accepted for Megatron command lines: the default (see {flag_of(item)})",
-                                   **common)
+                _declare(group.add_argument(spec["positive_flag"], action="store_true",
+                                            help=f"accepted for Megatron command lines: the default (see "
+                                                 f"{flag_of(item)})", **common), config_class, item)
             continue
         shown = "" if default in (None, "") else f" (default: {default})"
-        group.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"],
-                           help=help_of(item) + shown, metavar=_metavar(item, spec), **common)
+        _declare(group.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"],
+                                    help=help_of(item) + shown, metavar=_metavar(item, spec), **common),
+                 config_class, item)
+
+
+def add_alias(parser: argparse.ArgumentParser, section: str, config_class, name: str, flag: str) -> None:
+    """A second, shorter spelling of an option :func:`add_arguments` declared (the evaluation's
+    ``--samples`` for ``--eval-samples``): the same field, parser and choices, so it sets the same
+    value and is checked the same way."""
+    item, spec = next((item, spec) for item, spec in options_of(config_class) if item.name == name)
+    if _base_type(item.type) is bool:
+        raise TypeError("add_alias takes a valued option, not a switch")
+    _declare(parser.add_argument(flag, dest=_dest(section, item), default=argparse.SUPPRESS, type=parser_of(item),
+                                 choices=spec["choices"], metavar=_metavar(item, spec),
+                                 help=f"short for {flag_of(item)}"), config_class, item)
 
 
 def add_flags(parser: argparse.ArgumentParser, config_class, *names: str,
@@ -150,7 +203,8 @@ def add_flags(parser: argparse.ArgumentParser, config_class, *names: str,
     by field name (a benchmark that times control turns it on; one that must cross a refresh
     sets the interval), and the help then says so (``notes``: how, where the value alone does
     not). Values land under argparse's usual names (``--logra-master`` -> ``args.logra_master``),
-    set whether given or not."""
+    set whether given or not; :func:`validate_flags` checks them as the trainer does. Every action
+    is marked :class:`Declared`, with ``own_default`` for those in ``defaults``."""
     defaults, notes = defaults or {}, notes or {}
     fields = {item.name: (item, spec) for item, spec in options_of(config_class)}
     unknown = [name for name in (*names, *defaults) if name not in fields]
@@ -164,10 +218,27 @@ def add_flags(parser: argparse.ArgumentParser, config_class, *names: str,
             "" if default in (None, "") else f" (default: {default})")
         if _base_type(item.type) is bool:
             action = "store_false" if spec["negative"] else "store_true"
-            parser.add_argument(flag_of(item), action=action, default=default, help=help_of(item) + (note if own else ""))
+            _declare(parser.add_argument(flag_of(item), action=action, default=default,
+                                         help=help_of(item) + (note if own else "")), config_class, item, own)
             continue
-        parser.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"], default=default,
-                            help=help_of(item) + note, metavar=_metavar(item, spec))
+        _declare(parser.add_argument(flag_of(item), type=parser_of(item), choices=spec["choices"], default=default,
+                                     help=help_of(item) + note, metavar=_metavar(item, spec)), config_class, item, own)
+
+
+def validate_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: Sequence[str] = ()) -> None:
+    """Check the values of the options :func:`add_flags` declared on ``parser`` as the trainer does:
+    each config class is built from them (the rest of its fields at their defaults), so a value the
+    trainer refuses (``--micro-batch-size 0``, an unknown ``--preset``) is one :class:`UserError`
+    with the trainer's message here too. ``skip``: flags the entry point checks itself (a value of
+    its own beyond the schema's, such as ``--preset auto``)."""
+    values: Dict[type, Dict[str, Any]] = {}
+    for action in parser._actions:
+        declared = getattr(action, "declared", None)
+        if declared is None or action.default is argparse.SUPPRESS or set(action.option_strings) & set(skip):
+            continue
+        values.setdefault(declared.config_class, {})[declared.field] = getattr(args, action.dest)
+    for config_class, given in values.items():
+        config_class(**given)
 
 
 def _metavar(item, spec):

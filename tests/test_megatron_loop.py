@@ -131,7 +131,12 @@ def test_a_tp2_pp2_vpp_checkpoint_resumes_at_tp1_and_at_pp2_on_the_uninterrupted
      "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     (["--lr-warmup-iters", "4"], "--lr-warmup-iters (4) must be < --train-iters (4)"),
     (["--num-layers", "0"], "--num-layers must be >= 1"),
-    (["--load", "/nonexistent"], "no latest_checkpointed_iteration.txt"),
+    (["--load", "/nonexistent"], "--load: checkpoint directory not found: '/nonexistent'"),
+    (["--load", "examples"], "no latest_checkpointed_iteration.txt"),
+    # the schema's checks, with the trainer's messages
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--preset", "no-such-preset"], "unknown model preset 'no-such-preset'"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
 ])
 def test_bad_flags_are_one_line(args, message):
     proc = direct(["--train-iters", "4", *args])

@@ -55,7 +55,9 @@ from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.logra.config import MASTER_MODES, LogRAConfig  # noqa: E402
 from logra_megatron.models.config import get_preset  # noqa: E402
-from logra_megatron.schema import add_flags  # noqa: E402
+from logra_megatron.rl.config import ModelSourceConfig, RolloutConfig, RunConfig  # noqa: E402
+from logra_megatron.schema import add_flags, validate_flags  # noqa: E402
+from logra_megatron.training.config import OptimizerSettings  # noqa: E402
 from _bench_common import (COMPONENTS, measure_components, measure_torch_optimizer,  # noqa: E402
                            run_json_child, run_steps, torchrun_command)
 
@@ -129,11 +131,11 @@ def _master_list(text):
     return values
 
 
-def parse_args(argv):
+def build_parser():
     import argparse
 
     parser = ArgumentParser(prog="benchmark_peers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny")
+    add_flags(parser, ModelSourceConfig, "preset", "bf16")
     parser.add_argument("--ranks", help="low ranks of GaLore, APOLLO and LoGRA, comma-separated (default: 64,128, "
                                          "or a quarter and a half of the hidden size when that is below 256)")
     parser.add_argument("--logra-masters", default="fp32,none",
@@ -142,20 +144,30 @@ def parse_args(argv):
     parser.add_argument("--galore-proj-gap", type=int, default=200, help="GaLore's update_proj_gap (its default)")
     parser.add_argument("--galore-scale", type=float, default=0.25, help="GaLore's scale (its recommended value)")
     parser.add_argument("--apollo-proj-gap", type=int, default=200, help="APOLLO's update_proj_gap (its default)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 weights in every row")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per row (the last one tracked)")
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--global-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3, help="the same learning rate for every row")
-    parser.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clipping in every row (0: off)")
-    parser.add_argument("--seed", type=int, default=1234)
+    # A short language-model run that every row (each in its own process, ten of them) finishes in
+    # seconds on a CPU: a small batch of short sequences, not the trainer's RL batch.
+    add_flags(parser, RunConfig, "micro_batch_size", "seed", defaults={"micro_batch_size": 2})
+    add_flags(parser, RolloutConfig, "global_batch_size", "seq_length",
+              defaults={"global_batch_size": 4, "seq_length": 64},
+              notes={"global_batch_size": "4 sequences of arithmetic text per step",
+                     "seq_length": "64 tokens per sequence"})
+    # One learning rate for every row; large enough that the held-out loss moves in the few steps of
+    # a default run (the trainer's 3e-4 is an RL fine-tuning rate).
+    add_flags(parser, OptimizerSettings, "lr", "clip_grad", defaults={"lr": 1e-3},
+              notes={"lr": "1e-3, the same for every row"})
     parser.add_argument("--rows", default="", help="only these row keys (comma-separated; default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--markdown", help="also write the markdown table to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv):
+    parser = build_parser()
     args = parser.parse_args(argv)
+    validate_flags(parser, args)
     if args.ranks is None:
         hidden = get_preset(args.preset).hidden
         args.ranks = "64,128" if hidden >= 256 else f"{hidden // 4},{hidden // 2}"
@@ -203,7 +215,6 @@ def batches(args, vocab: int):
     arithmetic text (a new one each step) and one held-out batch, the same in every row."""
     import torch
 
-    from logra_megatron.rl.config import ModelSourceConfig
     from logra_megatron.rl.tasks import TOKENIZER_CORPUS_TASK, ArithmeticTasks
     from logra_megatron.rl.tokenizers import build_run_tokenizer
 
@@ -307,7 +318,6 @@ def run_child(args) -> dict:
     import torch
 
     from logra_megatron import parallel
-    from logra_megatron.training.config import OptimizerSettings
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.setup import build_trainable, train_step
 

@@ -36,31 +36,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
-from logra_megatron.logra.config import LogRAConfig, add_rank_arguments, rank_settings  # noqa: E402
-from logra_megatron.schema import add_flags  # noqa: E402
+from logra_megatron.logra.config import LogRAConfig, rank_settings  # noqa: E402
+from logra_megatron.rl.config import ModelSourceConfig  # noqa: E402
+# The trainer's own reading of --num-attention-heads / --num-query-groups (one meaning everywhere).
+from logra_megatron.rl.config import _preset_with_heads as preset_with_heads  # noqa: E402
+from logra_megatron.schema import add_flags, validate_flags  # noqa: E402
 
 SEQUENCES = [[1, 5, 9, 42, 7, 30, 12, 5], [40, 3, 3, 77, 14, 8, 2, 6]]
 
 
-def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny", help="model preset (random weights of its shapes)")
-    parser.add_argument("--num-attention-heads", type=int, default=None,
-                        help="change the preset's heads (vLLM's CPU attention needs head dim 32, 64, 80, ...)")
+def build_parser():
+    parser = ArgumentParser(prog="benchmark_policy_sync", description=__doc__.split("\n\n")[0])
+    # The trainer's model flags: a preset's shapes (random weights), its heads changed as the trainer
+    # changes them (vLLM's CPU attention needs a head dim of 32, 64, 80, ...).
+    add_flags(parser, ModelSourceConfig, "preset", "num_attention_heads", "num_query_groups", "bf16")
     parser.add_argument("--vocab", type=int, default=None,
                         help="the tokenizer's vocabulary (default: the preset's); 99 is the embedded default's")
-    add_rank_arguments(parser)
     # A short refresh interval: a refresh step syncs in full, so a run of a few steps shows both kinds.
-    add_flags(parser, LogRAConfig, "embeddings", "refresh_interval", defaults={"refresh_interval": 4})
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--bf16", action="store_true", help="bf16 weights and engine")
+    add_flags(parser, LogRAConfig, "rank", "max_rank", "embeddings", "refresh_interval",
+              defaults={"refresh_interval": 4})
+    parser.add_argument("--steps", type=int, default=6, help="trainer steps, each followed by both syncs")
     parser.add_argument("--engine-process", choices=("in", "separate"), default="in",
                         help="the engine in this process, or in processes of its own (multi-rank jobs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--logra-refresh-interval", args.logra_refresh_interval), ("--steps", args.steps)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    validate_flags(parser, args)
+    if args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
     return args
 
 
@@ -73,17 +80,15 @@ def run(args) -> dict:
 
     from logra_megatron import parallel
     from logra_megatron.logra.config import LogRAConfig
-    from logra_megatron.models.config import get_preset
     from logra_megatron.rollout.vllm_engine import VLLMEngine, import_vllm
     from logra_megatron.training.config import OptimizerSettings
     from logra_megatron.training.lm import lm_forward_backward
     from logra_megatron.training.setup import build_trainable, train_step
 
     import_vllm()  # one line saying how to install it, before anything is built
-    model_config = get_preset(args.preset).with_changes(max_seq=64)
-    if args.num_attention_heads is not None:
-        model_config = model_config.with_changes(heads=args.num_attention_heads,
-                                                 kv_heads=min(model_config.kv_heads, args.num_attention_heads))
+    source = ModelSourceConfig(preset=args.preset, num_attention_heads=args.num_attention_heads,
+                               num_query_groups=args.num_query_groups)
+    model_config = preset_with_heads(source).with_changes(max_seq=64)
     vocab = args.vocab or model_config.vocab
     if not 1 < vocab <= model_config.vocab:
         raise UserError(f"--vocab must be in 2..{model_config.vocab}, got {vocab}")

@@ -17,17 +17,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import exit_on_user_error  # noqa: E402
+from logra_megatron.rl.config import RunConfig  # noqa: E402
+from logra_megatron.schema import add_flags, validate_flags  # noqa: E402
+from logra_megatron.training.config import KLControlConfig, OptimizerSettings  # noqa: E402
+
+
+def build_parser():
+    parser = ArgumentParser(prog="kl_control_demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    # The demo's point is a step that overshoots: an lr ~170x the trainer's, so that uncontrolled
+    # steps exceed the KL budget and the controller has to scale them down.
+    add_flags(parser, OptimizerSettings, "lr", defaults={"lr": 5e-2}, notes={"lr": "5e-2, deliberately large"})
+    # A budget the tiny model's steps at that lr exceed by a visible margin, forecast from 2 of the
+    # 8 fixed sequences (the trainer's 8 probe sequences would be the whole batch).
+    add_flags(parser, KLControlConfig, "target", "probe_sequences",
+              defaults={"target": 0.02, "probe_sequences": 2})
+    add_flags(parser, RunConfig, "seed")
+    parser.add_argument("--json", action="store_true")
+    return parser
 
 
 def parse_args(argv):
-    parser = ArgumentParser(prog="kl_control_demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=5e-2, help="deliberately large")
-    parser.add_argument("--kl-target", type=float, default=0.02)
-    parser.add_argument("--kl-probe-sequences", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", action="store_true")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    validate_flags(parser, args)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     return args
@@ -38,11 +51,9 @@ def run_mode(mode, args, tokens):
 
     from logra_megatron import parallel
     from logra_megatron.logra import LogRAConfig
-    from logra_megatron.training.config import KLControlConfig
     from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
     from logra_megatron.models import get_preset
     from logra_megatron.training.lm import lm_forward_backward
-    from logra_megatron.training.config import OptimizerSettings
     from logra_megatron.training.setup import build_trainable
 
     parallel.initialize(1, 1, seed=args.seed)
@@ -74,9 +85,6 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from logra_megatron.training.config import KLControlConfig
-
-    KLControlConfig(mode="probe", target=args.kl_target, probe_sequences=args.kl_probe_sequences)
     tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(args.seed))
     report = {"kl_target": args.kl_target, "lr": args.lr, "steps": args.steps}
     for mode in ("off", "probe", "linear"):

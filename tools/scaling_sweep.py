@@ -142,7 +142,8 @@ def markdown(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv):
+def build_parser():
+    """``check`` and ``table``; the smoke job's flags after ``check --`` are the smoke job's own."""
     parser = ArgumentParser(prog="scaling_sweep", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     checker = commands.add_parser("check", help="does the smoke job run with these arguments on --nproc ranks")
@@ -153,7 +154,11 @@ def parse_args(argv):
     table.add_argument("--layouts", required=True, help='TPxPP layouts, e.g. "1x1 2x2"')
     table.add_argument("--optimizers", default="adam logra")
     table.add_argument("--nproc", type=int, default=4)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 @exit_on_user_error

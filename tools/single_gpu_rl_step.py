@@ -30,9 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.models.config import PRESETS  # noqa: E402
+from logra_megatron.rl.config import ModelSourceConfig, RolloutConfig, RunConfig  # noqa: E402
+from logra_megatron.schema import add_flags, validate_flags  # noqa: E402
+from logra_megatron.training.config import KLControlConfig  # noqa: E402
 from _bench_common import run_json_child  # noqa: E402
 
 GIB = 1 << 30
+AUTO = "auto"
+"""``--preset auto``: the largest preset whose LoGRA plan fits the GPU."""
 LARGEST_FIRST = ("qwen2.5-32b", "gemma-2-27b", "mistral-small-24b", "llama3-8b", "qwen2.5-7b",
                  "qwen2.5-1.5b", "qwen2.5-0.5b", "smollm2-135m", "tiny")
 RECOMPUTE_CHOICES = ((), ("--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -42,22 +47,37 @@ SPARE_FRACTION = 0.10
 fragmentation and what the plan does not model); otherwise every layer is recomputed."""
 
 
-def parse_args(argv):
+def build_parser():
     parser = ArgumentParser(prog="single_gpu_rl_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS))
+    # --preset auto: the planner's choice, beside the schema's presets (checked in parse_args).
+    add_flags(parser, ModelSourceConfig, "preset", defaults={"preset": AUTO},
+              notes={"preset": f"{AUTO}: the largest preset the planner fits on this GPU"})
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="memory of the GPU to plan for (default: this device's; 141 on the CPU)")
-    parser.add_argument("--seq-length", type=int, default=2048, help="rollout width: prompt + new tokens")
+    # An RL rollout of the shapes a single-GPU run of the largest presets takes: 2048 tokens of
+    # prompt + response (the trainer's default is the model's own max sequence length).
+    add_flags(parser, RolloutConfig, "seq_length", defaults={"seq_length": 2048},
+              notes={"seq_length": "2048 tokens of prompt + new tokens"})
+    # The planner's names (tools/plan_memory.py) for the rollout's shape.
     parser.add_argument("--rollout-sequences", type=int, default=4, help="sequences per rollout (2 prompts x G)")
     parser.add_argument("--rollout-max-tokens", type=int, default=32, help="new tokens per sequence")
-    parser.add_argument("--kl-probe-sequences", type=int, default=2)
+    # Probe rows are taken from the rollout of --rollout-sequences (4): the trainer's 8 would not fit.
+    add_flags(parser, KLControlConfig, "probe_sequences", defaults={"probe_sequences": 2})
     parser.add_argument("--steps", type=int, default=2, help="RL-shaped steps (0: build only, timed)")
-    parser.add_argument("--seed", type=int, default=1234)
+    add_flags(parser, RunConfig, "seed")
     parser.add_argument("--plan-table", action="store_true",
                         help="no model: the planner's verdicts, preset by preset, for one 80 GiB and one 141 GiB "
                              "GPU (markdown; JSON with --json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def parse_args(argv):
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.preset != AUTO and args.preset not in PRESETS:
+        raise UserError(f"unknown model preset {args.preset!r}; choose {AUTO} or one of: {', '.join(PRESETS)}")
+    validate_flags(parser, args, skip=("--preset",))
     if args.steps < 0:
         raise UserError("--steps must be >= 0")
     if args.rollout_sequences % 2 or args.rollout_sequences < 2:
@@ -85,10 +105,10 @@ def plan(args, preset: str, recompute: tuple, gpu_memory_gib: float, *extra: str
 
 def choose(args, gpu_memory_gib: float):
     """``(preset, recompute flags, plans)``: the largest preset whose LoGRA plan fits."""
-    presets = LARGEST_FIRST if args.preset == "auto" else (args.preset,)
+    presets = LARGEST_FIRST if args.preset == AUTO else (args.preset,)
     for preset in presets:
         recompute, plans = recompute_for(args, preset, gpu_memory_gib)
-        if plans["logra"]["fits"] or args.preset != "auto":
+        if plans["logra"]["fits"] or args.preset != AUTO:
             return preset, recompute, plans
     raise UserError(f"no preset fits LoGRA on a GPU of {gpu_memory_gib} GiB")
 
