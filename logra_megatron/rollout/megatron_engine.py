@@ -5,15 +5,14 @@ completions per prompt, on any tensor/pipeline-parallel layout. The design choic
 
 **KV cache.** Megatron's own ``StaticInferenceContext`` is passed to ``GPTModel.forward``: each
 attention layer keeps its keys/values in the context, and the context's ``sequence_len_offset``
-says where the next tokens go. One prefill forward over all prompt columns fills it; after that
+says where the next tokens go. One prefill forward over the prompts fills it; after that
 every step feeds one token per row, so a new token costs one token of compute. With
 ``materialize_only_last_token_logits`` (the static context's default) only the last column's
 logits are computed. The loop stops as soon as every row has emitted EOS.
 
 **Padding: left.** Static batching writes every row's token ``t`` into the same cache slot, so
 the prompts are right-aligned (left-padded to the longest prompt ``P``) and all completions start
-at column ``P``: one prefill covers all prompts and the last prefill column holds every row's
-last prompt token. Two things make a padded row compute exactly what the prompt alone would:
+at column ``P``. Two things make a padded row compute exactly what the prompt alone would:
 
 * masks: pad keys are masked out for every query (prefill: causal OR pad key; decode: pad key),
   through the boolean ``attention_mask`` (True = masked) that the local spec's core attention
@@ -28,6 +27,20 @@ last prompt token. Two things make a padded row compute exactly what the prompt 
   call, so row ``b`` sees positions ``0, 1, ...`` from its first real token, as the prompt alone
   would. ``Rollouts.position_ids`` records them; the trainer may recompute log-probs under the
   same context manager (see its docstring).
+
+**Prefill: packed** (:func:`prefill_packed`, the default where :func:`packs_prefill` allows it:
+SDPA attention). The cache is left-padded, the prefill's compute is not: each distinct prompt
+goes through the model once (not once per sample), the prompts end to end as one ``[1, t]``
+sequence with ``cu_seqlens`` (``t`` = their real tokens; rotary positions restart and attention
+stops at every boundary), with a one-row staging context into which Megatron writes each packed
+token's key and value as its cache holds them (before the rotary embedding). They are then moved
+into the batch's cache, each prompt's tokens into the left-padded slots of each of its ``G``
+rows; padding slots stay zero and masked, and only the prompts' last tokens reach the output
+layer. Decoding then runs on that cache exactly as after a padded prefill. ``pack=False``
+(``--no-pack-sequences``), Megatron's unfused attention, sequence parallelism or flash decoding
+prefill the padded ``[B, P]`` block in one forward instead (:func:`prefill_padded`), under the
+masks and positions above; both give the same logits and cache within 1e-5 in fp32 and the same
+tokens (tests/test_packed_prefill.py; TP2 and PP2: tests/workers/rollout_checks.py).
 
 **Layout: one [B, P + max_new_tokens] tensor.** Columns ``< P`` are the left-padded prompt,
 columns ``>= P`` the completion, which ends with EOS (included) and is then right-padded with
