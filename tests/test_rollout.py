@@ -48,6 +48,19 @@ def test_greedy_identical_across_layouts(results):
             assert result(results, f"{layout}/reference", rank) == tp1, (layout, rank)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rank", RANKS)
+def test_packed_prefill_matches_the_padded_one_and_computes_no_padding(results, layout, rank):
+    check = result(results, f"{layout}/packed_vs_padded", rank)
+    if check["logits_diff"] is not None:  # the last pipeline stage
+        assert check["logits_diff"] < 1e-5
+    assert check["cache_diff"] < 1e-5 and check["layers"] >= 1
+    assert check["packed_tokens"] == [check["real_tokens"]] * check["layers"]  # each prompt once, no padding
+    assert check["padded_tokens"] == [check["padded_cells"]] * check["layers"]
+    assert check["greedy"][0] == check["greedy"][1]
+    assert check["sampled"][0] == check["sampled"][1]
+
+
 # --- sampling ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ("tp2", "pp2"))

@@ -10,6 +10,15 @@ median of ``--repeats`` timed steps after a warm-up step); peak bytes is the mos
 memory live at once during one more step (CUDA's counters, or the CPU profiler's allocation
 events), above what was live before it.
 
+The Megatron engine's prompt prefill, padded vs packed (``"engine"`` in the JSON, unless
+``--engine-prompts 0``): ``--engine-prompts`` prompts (lengths as the step's prompts), ``G =
+--engine-samples`` rows each. Padded, the ``[B, P]`` block of left-padded rows goes through the
+model; packed, each distinct prompt once, end to end (``rollout/megatron_engine.py:
+prefill_packed``). It counts the tokens the first attention layer computes, times the prefill
+alone (median of ``--repeats`` after a warm-up) and the evaluation's two passes (greedy pass@1,
+then ``G`` samples per prompt, ``--engine-new-tokens`` each, as ``rl/evaluation.py`` runs them),
+and says whether both layouts gave the same completions.
+
 Lengths: no real run's rollout lengths are recorded in this repository, so the responses are
 log-normal with the median at a quarter of ``--response-cap`` (sigma ``--sigma``), clipped to
 ``[1, cap]``; prompts uniform in ``[--prompt-min, --prompt-max]``. The table says so and gives
@@ -57,6 +66,86 @@ def ragged_batch(rows, prompt_min, prompt_max, cap, sigma, vocab, seed):
                         prompt_width=width, steps=int(responses.max()))
     advantages = torch.randn(rows, generator=generator, device=host)
     return rollouts, advantages
+
+
+def _attention_tokens(model):
+    """A hook on the first attention layer and the list it appends each call's query tokens to
+    (padded ``[s, b, heads, d]``: ``s x b``; packed ``[t, heads, d]``: ``t``)."""
+    from logra_megatron.models.build import unwrap_model
+
+    layer = next(m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention"))
+    calls = []
+    handle = layer.register_forward_pre_hook(
+        lambda module, args: calls.append(args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])))
+    return handle, calls
+
+
+def engine_prefill(args, model, vocab, device, sync):
+    """The engine's prefill and the evaluation's passes, padded vs packed (see the docstring)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from logra_megatron.models.positions import rope_positions
+    from logra_megatron.rollout.megatron_engine import generate, prefill_packed, prefill_padded
+    from logra_megatron.rollout.types import PromptLayout, SamplingConfig
+
+    generator = torch.Generator(device=torch.device("cpu")).manual_seed(args.seed + 1)  # host: prompts are lists
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.engine_prompts,), generator=generator)
+    prompts = [torch.randint(1, vocab, (int(n),), generator=generator).tolist() for n in lengths]
+    samples, new = args.engine_samples, args.engine_new_tokens
+    layout = PromptLayout.of(prompts, samples, new, 0, device)
+    served = int(layout.lengths.sum())  # prompt tokens of every row: what the prefill delivers
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=new, vocab_size=vocab)
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=new, samples_per_prompt=samples, seed=args.seed,
+                             vocab_size=vocab)
+
+    @torch.no_grad()
+    def prefill(pack):
+        context = StaticInferenceContext(max_batch_size=layout.tokens.shape[0], max_sequence_length=layout.tokens.shape[1])
+        if pack:
+            return prefill_packed(model, layout, samples, context)
+        with rope_positions(model, layout.positions):
+            return prefill_padded(model, layout, context)
+
+    def timed(work):
+        work()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            start = time.perf_counter()
+            work()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    sides, completions = {}, {}
+    was_training = model.training
+    model.eval()
+    try:
+        for pack in (False, True):
+            handle, calls = _attention_tokens(model)
+            try:
+                prefill(pack)
+            finally:
+                handle.remove()
+            prefill_s = timed(lambda: prefill(pack))
+            completions[pack] = [generate(model, prompts, config, pack=pack).completions() for config in (greedy, sampled)]
+            evaluation_s = timed(lambda: [generate(model, prompts, config, pack=pack) for config in (greedy, sampled)])
+            sides["packed" if pack else "padded"] = {
+                "prefill_computed_tokens": calls[0], "prefill_s": prefill_s, "prefill_tokens_per_s": served / prefill_s,
+                "evaluation_s": evaluation_s}
+    finally:
+        model.train(was_training)
+    padded, packed = sides["padded"], sides["packed"]
+    return {
+        "prompts": len(prompts), "samples": samples, "rows": layout.tokens.shape[0], "new_tokens": new,
+        "prompt_tokens": int(lengths.sum()), "served_prompt_tokens": served,
+        "padded_cells": layout.tokens.shape[0] * layout.width, "padded": padded, "packed": packed,
+        "ratio": {"prefill_computed_tokens": packed["prefill_computed_tokens"] / padded["prefill_computed_tokens"],
+                  "prefill_tokens_per_s": packed["prefill_tokens_per_s"] / padded["prefill_tokens_per_s"],
+                  "evaluation_speed": padded["evaluation_s"] / packed["evaluation_s"]},
+        "identical": {"greedy": completions[True][0] == completions[False][0],
+                      "sampled": completions[True][1] == completions[False][1]},
+    }
 
 
 def run(args):
@@ -123,6 +212,7 @@ def run(args):
 
     padded = measure(False)
     packed = measure(True)
+    engine = engine_prefill(args, ddp, model_config.vocab, device, sync) if args.engine_prompts else None
     return {
         "preset": args.preset, "device": str(device), "optimizer": args.optimizer,
         "rows": args.rows, "real_tokens": real, "padded_cells": cells,
@@ -137,6 +227,7 @@ def run(args):
         "padded": padded, "packed": packed,
         "ratio": {"tokens_per_s": packed["tokens_per_s"] / padded["tokens_per_s"],
                   "peak_bytes": packed["peak_bytes"] / max(1, padded["peak_bytes"])},
+        **({"engine": engine} if engine else {}),
     }
 
 
@@ -154,6 +245,23 @@ def table(result):
                      f"{row['peak_bytes'] / 2**20:.1f} |")
     ratio = result["ratio"]
     lines.append(f"| packed / padded | | | {ratio['tokens_per_s']:.2f}x | {ratio['peak_bytes']:.2f}x |")
+    engine = result.get("engine")
+    if engine:
+        lines += ["", f"engine prefill: {engine['prompts']} prompts x {engine['samples']} samples = {engine['rows']} rows, "
+                      f"{engine['served_prompt_tokens']} prompt tokens in {engine['padded_cells']} padded cells; "
+                      f"evaluation: greedy, then {engine['samples']} samples per prompt, {engine['new_tokens']} new tokens",
+                  "", "| prefill | computed tokens | prefill s | prompt tokens/s | evaluation s |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name in ("padded", "packed"):
+            row = engine[name]
+            lines.append(f"| {name} | {row['prefill_computed_tokens']} | {row['prefill_s']:.4f} | "
+                         f"{row['prefill_tokens_per_s']:.0f} | {row['evaluation_s']:.3f} |")
+        ratio = engine["ratio"]
+        lines.append(f"| packed / padded | {ratio['prefill_computed_tokens']:.2f}x | | "
+                     f"{ratio['prefill_tokens_per_s']:.2f}x | {1 / ratio['evaluation_speed']:.2f}x |")
+        same = engine["identical"]
+        lines.append(f"completions identical packed and padded: greedy {'yes' if same['greedy'] else 'NO'}, "
+                     f"sampled {'yes' if same['sampled'] else 'NO'}")
     return "\n".join(lines)
 
 
@@ -173,6 +281,11 @@ def main(argv=None):
     parser.add_argument("--logra-rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--engine-prompts", type=int, default=16,
+                        help="prompts of the engine-prefill comparison (0: skip it)")
+    parser.add_argument("--engine-samples", type=int, default=4, help="engine prefill: rows (samples) per prompt")
+    parser.add_argument("--engine-new-tokens", type=int, default=16,
+                        help="engine: tokens generated per row in the evaluation's passes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     if args.response_cap is None:

@@ -9,6 +9,11 @@ confidence intervals. The trainer's evaluations (initial, start of RL, after RL)
   approximation it stays inside [0, 1] and is not empty at 0% or 100% on a small set.
 - **Data parallelism**: each replica evaluates its share of the problems; the per-problem
   outcomes are gathered, so every rank reports the same figures for the whole set.
+- **The model's passes** are the engine's ``generate`` calls, one greedy and (with samples) one
+  sampled; the only pass over whole sequences is each call's prompt prefill. The Megatron engine
+  packs it (``rollout/megatron_engine.py: prefill_packed``): every held-out prompt once, without
+  padding, whatever the number of samples; ``--no-pack-sequences`` prefills the padded block.
+  Completions, and so the figures, are the same either way (tests/rl/test_evaluation.py).
 """
 
 import math

@@ -5,15 +5,14 @@ completions per prompt, on any tensor/pipeline-parallel layout. The design choic
 
 **KV cache.** Megatron's own ``StaticInferenceContext`` is passed to ``GPTModel.forward``: each
 attention layer keeps its keys/values in the context, and the context's ``sequence_len_offset``
-says where the next tokens go. One prefill forward over all prompt columns fills it; after that
+says where the next tokens go. One prefill forward over the prompts fills it; after that
 every step feeds one token per row, so a new token costs one token of compute. With
 ``materialize_only_last_token_logits`` (the static context's default) only the last column's
 logits are computed. The loop stops as soon as every row has emitted EOS.
 
 **Padding: left.** Static batching writes every row's token ``t`` into the same cache slot, so
 the prompts are right-aligned (left-padded to the longest prompt ``P``) and all completions start
-at column ``P``: one prefill covers all prompts and the last prefill column holds every row's
-last prompt token. Two things make a padded row compute exactly what the prompt alone would:
+at column ``P``. Two things make a padded row compute exactly what the prompt alone would:
 
 * masks: pad keys are masked out for every query (prefill: causal OR pad key; decode: pad key),
   through the boolean ``attention_mask`` (True = masked) that the local spec's core attention
@@ -28,6 +27,20 @@ last prompt token. Two things make a padded row compute exactly what the prompt 
   call, so row ``b`` sees positions ``0, 1, ...`` from its first real token, as the prompt alone
   would. ``Rollouts.position_ids`` records them; the trainer may recompute log-probs under the
   same context manager (see its docstring).
+
+**Prefill: packed** (:func:`prefill_packed`, the default where :func:`packs_prefill` allows it:
+SDPA attention). The cache is left-padded, the prefill's compute is not: each distinct prompt
+goes through the model once (not once per sample), the prompts end to end as one ``[1, t]``
+sequence with ``cu_seqlens`` (``t`` = their real tokens; rotary positions restart and attention
+stops at every boundary), with a one-row staging context into which Megatron writes each packed
+token's key and value as its cache holds them (before the rotary embedding). They are then moved
+into the batch's cache, each prompt's tokens into the left-padded slots of each of its ``G``
+rows; padding slots stay zero and masked, and only the prompts' last tokens reach the output
+layer. Decoding then runs on that cache exactly as after a padded prefill. ``pack=False``
+(``--no-pack-sequences``), Megatron's unfused attention, sequence parallelism or flash decoding
+prefill the padded ``[B, P]`` block in one forward instead (:func:`prefill_padded`), under the
+masks and positions above; both give the same logits and cache within 1e-5 in fp32 and the same
+tokens (tests/test_packed_prefill.py; TP2 and PP2: tests/workers/rollout_checks.py).
 
 **Layout: one [B, P + max_new_tokens] tensor.** Columns ``< P`` are the left-padded prompt,
 columns ``>= P`` the completion, which ends with EOS (included) and is then right-padded with
@@ -67,7 +80,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import model_device, unwrap_model
-from logra_megatron.models.positions import padded_causal_mask, rope_positions
+from logra_megatron.models.positions import pack_rows, padded_causal_mask, rope_positions
 from logra_megatron.models.sdpa_attention import SDPAttention
 from logra_megatron.rollout.sampling import sample_next
 from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
@@ -81,8 +94,9 @@ def _honors_padding_mask(model) -> bool:
     return all(isinstance(layer, (DotProductAttention, SDPAttention)) for layer in layers)
 
 
-def _stage_forward(model, tokens, position_ids, attention_mask, context=None):
-    """One forward of this rank's pipeline stage over ``tokens`` ([B, s]).
+def _stage_forward(model, tokens, position_ids, attention_mask, context=None, packed_seq_params=None):
+    """One forward of this rank's pipeline stage over ``tokens`` ([B, s]; packed: [1, t] with
+    ``packed_seq_params``).
 
     Receives the previous stage's hidden states (non-first stages), sends this stage's output on
     (non-last stages) and returns the full-vocabulary logits [B, s', V] on the last stage (s' = 1
@@ -95,7 +109,7 @@ def _stage_forward(model, tokens, position_ids, attention_mask, context=None):
         recv_from_prev_pipeline_rank_(buffer, parallel.pp_group())
         get_attr_wrapped_model(model, "set_input_tensor")(buffer)
     output = model(tokens, position_ids, attention_mask, inference_context=context,
-                   runtime_gather_output=True)
+                   runtime_gather_output=True, packed_seq_params=packed_seq_params)
     if context is not None:
         context.increment_sequence_len_offset(tokens.shape[1])
     if not parallel.is_last_stage():
@@ -137,14 +151,94 @@ def _check_prompts(prompts: Sequence[Sequence[int]], config: SamplingConfig, mod
         raise UserError(f"pad_id {config.pad_id} is outside the model's vocabulary [0, {model_vocab})")
 
 
+def packs_prefill(model) -> bool:
+    """True when this stage can prefill packed: every attention layer is :class:`SDPAttention`
+    (Megatron's local ``DotProductAttention`` takes no packed sequences), and neither sequence
+    parallelism (the output layer's input would be a sequence shard) nor flash decoding (it
+    caches rotated keys) is on."""
+    gpt = unwrap_model(model)
+    layers = [m for name, m in gpt.named_modules() if name.endswith("core_attention")]
+    config = gpt.config
+    return (bool(layers) and all(isinstance(layer, SDPAttention) for layer in layers)
+            and not config.sequence_parallel and not config.flash_decode)
+
+
+@contextlib.contextmanager
+def _output_rows(model, index: torch.Tensor):
+    """Within the block, this stage's output layer (last stage only) computes the logits of the
+    packed positions ``index`` alone: ``[len(index), V]`` instead of one row per packed token."""
+    gpt = unwrap_model(model)
+    layer = getattr(gpt, "output_layer", None) if gpt.post_process else None
+    if layer is None:
+        yield
+        return
+    # hidden states are [t, 1, h] (sequence first): keep the rows of `index`
+    handle = layer.register_forward_pre_hook(lambda module, args: (args[0].index_select(0, index), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def prefill_packed(model, layout: PromptLayout, samples_per_prompt: int,
+                   context: StaticInferenceContext) -> Optional[torch.Tensor]:
+    """Fill ``context``'s KV cache with the prompts of ``layout`` without padding; the logits of
+    every row's last prompt token ``[B, 1, V]`` on the last stage (None elsewhere).
+
+    Each distinct prompt (the first of its ``G`` rows) goes through the model once, all of them
+    end to end as one ``[1, t]`` sequence (``pack_rows``: ``cu_seqlens`` at the prompt
+    boundaries, positions from 0 in each, attention within each), so ``t`` is the prompts' real
+    token count, not ``B x P``. The forward runs with a staging static context of one row and
+    ``t`` slots: Megatron writes packed token ``i``'s key and value (as its cache holds them,
+    before the rotary embedding) into slot ``i``. They are then moved to the batch's cache,
+    each prompt's tokens into the left-padded slots of each of its ``G`` rows, the padding slots
+    left at zero (the decode mask hides them). Only the prompts' last tokens reach the output
+    layer."""
+    batch, width = layout.tokens.shape[0], layout.width
+    device = layout.tokens.device
+    first = torch.arange(0, batch, samples_per_prompt, device=device)  # one row per prompt
+    packed = pack_rows(layout.tokens[first, :width], layout.real[first, :width])
+    length = packed.tokens.shape[1]
+    staging = StaticInferenceContext(max_batch_size=1, max_sequence_length=length)
+    staging.materialize_only_last_token_logits = False  # the output-layer hook picks the rows
+    last = packed.params.cu_seqlens_q[1:].long() - 1  # each prompt's last packed token
+    with _output_rows(model, last):
+        logits = _stage_forward(model, packed.tokens, packed.position_ids, None, staging, packed.params)
+    # packed token i of prompt p, at column slots[i] of its padded row: rows p*G .. p*G+G-1
+    rows = packed.rows[:, None] * samples_per_prompt + torch.arange(samples_per_prompt, device=device)
+    slots = packed.slots[:, None].expand_as(rows)
+    for layer, staged in staging.key_value_memory_dict.items():
+        cache = []
+        for tensor in staged:  # [t, 1, groups, head_dim]
+            memory = tensor.new_zeros((context.max_sequence_length, context.max_batch_size, *tensor.shape[2:]))
+            memory[slots, rows] = tensor[:length, 0, None].expand(-1, samples_per_prompt, *tensor.shape[2:])
+            cache.append(memory)
+        context.key_value_memory_dict[layer] = tuple(cache)
+    context.increment_sequence_len_offset(width)
+    if logits is None:
+        return None
+    return logits[0, layout.prompt_index][:, None]  # [B, 1, V]: each row its prompt's logits
+
+
+def prefill_padded(model, layout: PromptLayout, context: StaticInferenceContext) -> Optional[torch.Tensor]:
+    """Fill ``context``'s KV cache with the left-padded ``[B, P]`` prompt block (pad keys
+    masked); the last column's logits ``[B, 1, V]`` on the last stage (None elsewhere). Call
+    within :func:`rope_positions` of the layout when it has padding."""
+    width = layout.width
+    mask = padded_causal_mask(layout.real[:, :width])
+    return _stage_forward(model, layout.tokens[:, :width], layout.positions[:, :width], mask, context)
+
+
 @torch.no_grad()
-def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) -> Rollouts:
+def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, pack: bool = True) -> Rollouts:
     """Sample ``config.samples_per_prompt`` completions of every prompt with the KV cache.
 
     ``model`` is this rank's stage of the policy (``build_gpt_model``, optionally wrapped in
     Megatron DDP / Float16Module); it is put in eval mode for the call and restored afterwards.
     Collective over the tensor- and pipeline-parallel groups: every rank of a model replica calls
     it with the same prompts and config. Returns the same :class:`Rollouts` on all those ranks.
+    ``pack``: prefill the prompts packed (:func:`prefill_packed`) where the model allows it
+    (:func:`packs_prefill`); False, or a model that does not, prefills the padded block.
     """
     gpt = unwrap_model(model)
     device = model_device(gpt)
@@ -159,6 +253,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
             "mask); this model uses another attention implementation. Build it with "
             "gpt_layer_spec(use_transformer_engine=False), or pass prompts of equal length"
         )
+    packed = pack and packs_prefill(model)
     # Left padding: row b's prompt ends at column `width`; its completion follows.
     real = layout.real  # [B, total]; completion columns count as real
     positions = layout.positions
@@ -177,10 +272,12 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig) ->
     model.eval()
     steps = 0
     try:
+        if packed:  # positions restart at each prompt: no per-row rotary needed for the prefill
+            logits = prefill_packed(model, layout, config.samples_per_prompt, context)
         # Without padding every row's positions are the slot indices Megatron uses anyway.
         with rope_positions(model, positions) if padded else contextlib.nullcontext():
-            prefill_mask = padded_causal_mask(real[:, :width])
-            logits = _stage_forward(model, tokens[:, :width], positions[:, :width], prefill_mask, context)
+            if not packed:
+                logits = prefill_padded(model, layout, context)
             context.enable_decode_mode()
             for step in range(config.max_new_tokens):
                 column = width + step
@@ -214,11 +311,12 @@ class MegatronEngine:
 
     name = "megatron"
 
-    def __init__(self, model):
+    def __init__(self, model, pack_sequences: bool = True):
         self.model = model
+        self.pack_sequences = pack_sequences  # prefill packed (see generate); --no-pack-sequences: padded
 
     def generate(self, prompts, sampling: SamplingConfig) -> Rollouts:
-        return generate(self.model, prompts, sampling)
+        return generate(self.model, prompts, sampling, pack=self.pack_sequences)
 
     def sync_weights(self, model) -> Dict[str, float]:
         start = time.perf_counter()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from logra_megatron.rl.evaluation import k_values, pass_at_k, summarize, wilson_interval
+from logra_megatron.rl.evaluation import evaluate_records, k_values, pass_at_k, summarize, wilson_interval
 
 
 @pytest.mark.parametrize("n,c,k", [(10, 0, 1), (10, 3, 1), (10, 3, 4), (8, 7, 2), (5, 5, 5), (20, 1, 10), (4, 2, 4)])
@@ -47,3 +47,72 @@ def test_summary_of_outcomes():
     line = result.summary_line()
     assert "greedy pass@1 50.0%" in line and "pass@4 75.0%" in line and "4 samples at temperature 0.7" in line
     assert set(result.to_dict()) >= {"problems", "greedy_pass_at_1", "greedy_ci95", "pass_at_k", "pass_at_k_ci95"}
+
+
+# --- the evaluation's model passes: the engine's prefill, packed -------------------------------
+
+class _Bytes:
+    """A byte-level tokenizer: token ``b`` is byte ``b`` (no EOS: completions run to the cap)."""
+
+    eos_id = None
+    pad_id = 0
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode("latin-1")
+
+
+class _ParityReward:
+    """Full credit when a completion's byte sum is even: depends on every generated token."""
+
+    def score_batch(self, records, texts):
+        return [float(sum(text.encode("latin-1")) % 2 == 0) for text in texts]
+
+
+def test_evaluation_is_identical_packed_and_padded_and_prefills_each_prompt_once():
+    """``evaluate_records`` on the Megatron engine, prefill packed and padded: the same figures
+    (greedy pass@1 and pass@k of 4 samples); packed, each pass sends every prompt's real tokens
+    once through each attention layer (not 4 copies of the padded block)."""
+    from logra_megatron import parallel
+    from logra_megatron.models import build_gpt_model, get_preset
+    from logra_megatron.models.build import unwrap_model
+    from logra_megatron.rollout.megatron_engine import MegatronEngine
+    from logra_megatron.rollout.types import SamplingConfig
+
+    preset = get_preset("tiny")
+    parallel.initialize(1, 1, seed=4321)
+    model = build_gpt_model(preset)
+    records = ["2+2=", "the capital of a country with a long name is", "x", "abc", "seventeen minus nine"]
+    base = SamplingConfig(max_new_tokens=5, vocab_size=preset.vocab)
+    layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
+
+    class Counted(MegatronEngine):
+        """Each generate() call's prefill: the tokens its first attention layer computed first."""
+
+        prefills = []
+
+        def generate(self, prompts, sampling):
+            calls = []
+            handle = layers[0].register_forward_pre_hook(
+                lambda module, args: calls.append(args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])))
+            try:
+                return super().generate(prompts, sampling)
+            finally:
+                handle.remove()
+                self.prefills.append(calls[0])
+
+    results, prefills = {}, {}
+    for pack in (False, True):
+        engine = Counted(model, pack_sequences=pack)
+        engine.prefills = []
+        results[pack] = evaluate_records(engine, _Bytes(), lambda record: record, _ParityReward(), records, base,
+                                         samples=4, temperature=1.0, seed=3)
+        prefills[pack] = engine.prefills
+    assert results[True].to_dict() == results[False].to_dict()
+    assert 0 < results[True].pass_at_k[4]  # the reward saw real completions
+    real = sum(len(r.encode()) for r in records)
+    width = max(len(r.encode()) for r in records)
+    assert prefills[True] == [real, real]  # greedy pass, sampled pass: each prompt once, no padding
+    assert prefills[False] == [len(records) * width, 4 * len(records) * width]

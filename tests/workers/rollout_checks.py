@@ -73,6 +73,51 @@ def layout_checks(checks, tag, model, store):
     checks.run(f"{tag}/sampled", lambda: generate(model, PROMPTS, SAMPLED).completions())
     checks.run(f"{tag}/sampled_again", lambda: generate(model, PROMPTS, SAMPLED).completions())
     checks.run(f"{tag}/eos", eos_check, model, reference)
+    checks.run(f"{tag}/packed_vs_padded", packed_vs_padded, model)
+
+
+@torch.no_grad()
+def packed_vs_padded(model):
+    """The packed prefill against the padded one on this layout: the last-token logits (last
+    stage) and this rank's real KV-cache slots (largest differences), the attention tokens of
+    this rank's layers, and the completions decoded from either (greedy; sampled, G = 2)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from logra_megatron.models.build import unwrap_model
+    from logra_megatron.models.positions import rope_positions
+    from logra_megatron.rollout.megatron_engine import prefill_packed, prefill_padded
+    from logra_megatron.rollout.types import PromptLayout
+
+    layout = PromptLayout.of(PROMPTS, 2, NEW, 0, torch.device("cpu"))
+    layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
+    out = {}
+    for pack in (False, True):
+        context = StaticInferenceContext(max_batch_size=layout.tokens.shape[0], max_sequence_length=layout.tokens.shape[1])
+        calls = []
+        handles = [layer.register_forward_pre_hook(
+            lambda module, args: calls.append(args[0].numel() // (args[0].shape[-1] * args[0].shape[-2])))
+            for layer in layers]
+        try:
+            if pack:
+                logits = prefill_packed(model, layout, 2, context)
+            else:
+                with rope_positions(model, layout.positions):
+                    logits = prefill_padded(model, layout, context)
+        finally:
+            for handle in handles:
+                handle.remove()
+        out[pack] = (logits, context, calls)
+    real = layout.real[:, :layout.width].t()
+    cache_diff = 0.0
+    for layer, padded in out[False][1].key_value_memory_dict.items():
+        for mine, theirs in zip(out[True][1].key_value_memory_dict[layer], padded):
+            cache_diff = max(cache_diff, float((mine[:layout.width][real] - theirs[:layout.width][real]).abs().max()))
+    logits_diff = None if out[False][0] is None else float((out[True][0] - out[False][0]).abs().max())
+    return {"logits_diff": logits_diff, "cache_diff": cache_diff, "layers": len(layers),
+            "packed_tokens": out[True][2], "padded_tokens": out[False][2],
+            "real_tokens": sum(len(p) for p in PROMPTS), "padded_cells": layout.tokens.shape[0] * layout.width,
+            "greedy": [generate(model, PROMPTS, GREEDY, pack=pack).completions() for pack in (False, True)],
+            "sampled": [generate(model, PROMPTS, SAMPLED, pack=pack).completions() for pack in (False, True)]}
 
 
 def eos_check(model, reference):
