@@ -165,6 +165,13 @@ class Timeline:
             if block is not None:
                 self.current -= block[0]
 
+    def rename(self, key, new_key) -> None:
+        """The live block ``key`` is known as ``new_key`` from now on (same bytes, same component)."""
+        if new_key in self.live:
+            raise AssertionError(f"block {new_key!r} allocated twice")
+        if key in self.live:
+            self.live[new_key] = self.live.pop(key)
+
     def moment(self, nbytes: int, component: str) -> None:
         """A temporary that lives for one op (allocated and freed before the next)."""
         key = ("moment", len(self.live), self.current)
@@ -707,7 +714,13 @@ class _Step:
             if self.platform == "cuda":  # Megatron deallocates a sent output's data
                 tl.free(out)
             else:
+                # Kept by the schedule until this microbatch's backward: from here on it is the
+                # sent tensor, not the layer's output, which a full-recompute group ending at the
+                # stage's last layer allocates anew when its backward re-runs that layer.
                 self._retag(out, "pipeline_buffers_bytes")
+                sent = ("sent", mb)
+                tl.rename(out, sent)
+                out = sent
             self._pending[mb] = (groups, out, x)
 
     def backward_microbatch(self, mb) -> None:
