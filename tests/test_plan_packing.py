@@ -11,7 +11,7 @@ import sys
 
 from dist_harness import REPO
 from logra_megatron.models.config import get_preset
-from logra_megatron.planning.activations import activation_bytes
+from logra_megatron.planning.activations import activation_bytes, probe_layout
 from logra_megatron.planning.settings import PlanSettings
 from logra_megatron.planning.validate import COMPONENT_BOUND, PEAK_BOUND
 from logra_megatron.rl.config import ModelSourceConfig, RunConfig, TrainConfig
@@ -78,6 +78,38 @@ def test_validate_measures_a_packed_step_within_bounds():
     peak, breakdown = record["peak_step"], record["plan_breakdown"]
     # the forward/backward on the packed rows is what the peak checks (not the optimizer's phase)
     assert breakdown["forward_backward_peak_bytes"] == peak["predicted"], breakdown
+    assert abs(peak["error"]) <= PEAK_BOUND, (peak, breakdown)
+
+
+def test_the_kl_probe_is_packed_as_the_trainer_packs_it():
+    # 8 probe rows of 32 tokens: parts of as many whole rows as the budget holds (rl/grpo.py
+    # probe_set), not --micro-batch-size rows padded; a row longer than the budget alone
+    probe = _packed(kl_probe_sequences=8, seq_length=32, max_tokens_per_microbatch=128, kl_control="probe")
+    assert probe_layout(probe) == (4, 2)
+    assert probe_layout(probe.with_changes(max_tokens_per_microbatch=16)) == (1, 8)
+    assert probe_layout(probe.with_changes(max_tokens_per_microbatch=64 * 32)) == (8, 1)
+    # the default budget (micro_batch_size rows' worth) holds micro_batch_size rows, as the trainer's
+    assert probe_layout(probe.with_changes(max_tokens_per_microbatch=default_token_budget(2, 32))) == (2, 4)
+    assert probe_layout(probe.with_changes(pack_sequences=False)) == (2, 4)
+    # its logits follow the part's tokens: twice the budget, twice the probe's cached logits
+    one = activation_bytes(probe, 0, "cuda")["controller_peak_bytes"]
+    two = activation_bytes(probe.with_changes(max_tokens_per_microbatch=256), 0, "cuda")["controller_peak_bytes"]
+    assert two > one
+
+
+def test_validate_measures_the_packed_kl_probe_within_bounds():
+    # the step's peak in the KL probe (full recompute keeps the backward small): parts of 4 rows
+    # of 32 tokens packed, the s = 0 logits of both parts held through the forecast
+    proc = subprocess.run(
+        [sys.executable, "tools/plan_memory.py", "--preset", "tiny", "--validate", "--json", "--optimizer", "logra",
+         "--bf16", "--logra-rank", "0.25", "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1", "--kl-probe-sequences", "8", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--seq-length", "32", "--max-tokens-per-microbatch", "128", "--steps", "1"],
+        capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    [record] = json.loads(proc.stdout.strip().splitlines()[-1])["ranks"]
+    peak, breakdown = record["peak_step"], record["plan_breakdown"]
+    assert breakdown["controller_peak_bytes"] == peak["predicted"] > breakdown["forward_backward_peak_bytes"]
     assert abs(peak["error"]) <= PEAK_BOUND, (peak, breakdown)
 
 

@@ -74,3 +74,21 @@ def test_bad_recompute_settings_are_one_error():
         activation_bytes(_settings(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3), 0)
     with pytest.raises(UserError, match="platform"):
         activation_bytes(_settings(), 0, "tpu")
+
+
+@pytest.mark.parametrize("platform", ("cpu", "cuda"))
+@pytest.mark.parametrize("layers", (1, 2))
+def test_full_recompute_of_a_stages_last_layer_under_the_pipeline(platform, layers):
+    # PP2, full uniform recompute: the group ending at stage 0's last layer re-runs it in the
+    # backward while, on the CPU, the schedule still holds the output it sent (two tensors,
+    # not one allocated twice)
+    settings = _settings(pipeline_parallel=2, recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=layers)
+    plain = _settings(pipeline_parallel=2)
+    for stage in (0, 1):
+        planned = activation_bytes(settings, stage, platform)
+        assert planned["recompute_bytes"] > 0, (stage, planned)
+        assert planned["forward_backward_peak_bytes"] < activation_bytes(plain, stage, platform)["forward_backward_peak_bytes"]
+    # the CPU keeps the sent outputs of stage 0's microbatches in flight (CUDA frees their data)
+    cpu, cuda = activation_bytes(settings, 0, "cpu"), activation_bytes(settings, 0, "cuda")
+    assert cpu["pipeline_buffers_bytes"] > cuda["pipeline_buffers_bytes"], (cpu, cuda)

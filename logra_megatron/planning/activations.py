@@ -15,7 +15,9 @@ gradients of a row of ``seq_length`` at most), its output pieces and logsumexp a
 the context, which is a copy of their concatenation; each row's q/k/v slice gradient is a
 zero-filled full-size tensor added into the accumulated one; the rotary frequencies are built
 per token; the batch holds the packed ids, labels, positions and loss mask, and no ``s x s``
-mask. The KL controller's probe rows stay padded rows (``ProbeSet``).
+mask. The KL controller's probe is packed as the trainer packs it (rl/grpo.py ``probe_set``):
+parts of whole rows up to the budget, each one forward-only ``[1, t]`` sequence
+(:func:`probe_layout`); padded, ``micro_batch_size`` rows a pass.
 
 The replay follows the code, not a rule of thumb (``T = b x s`` tokens of a microbatch, ``e`` the
 bytes of the run's dtype, ``n``/``g``/``f``/``V`` the heads, kv heads, FFN width and padded
@@ -164,6 +166,13 @@ class Timeline:
             block = self.live.pop(key, None)
             if block is not None:
                 self.current -= block[0]
+
+    def rename(self, key, new_key) -> None:
+        """The live block ``key`` is known as ``new_key`` from now on (same bytes, same component)."""
+        if new_key in self.live:
+            raise AssertionError(f"block {new_key!r} allocated twice")
+        if key in self.live:
+            self.live[new_key] = self.live.pop(key)
 
     def moment(self, nbytes: int, component: str) -> None:
         """A temporary that lives for one op (allocated and freed before the next)."""
@@ -707,7 +716,13 @@ class _Step:
             if self.platform == "cuda":  # Megatron deallocates a sent output's data
                 tl.free(out)
             else:
+                # Kept by the schedule until this microbatch's backward: from here on it is the
+                # sent tensor, not the layer's output, which a full-recompute group ending at the
+                # stage's last layer allocates anew when its backward re-runs that layer.
                 self._retag(out, "pipeline_buffers_bytes")
+                sent = ("sent", mb)
+                tl.rename(out, sent)
+                out = sent
             self._pending[mb] = (groups, out, x)
 
     def backward_microbatch(self, mb) -> None:
@@ -838,14 +853,19 @@ class _Step:
         tl.free("update", "update_local", "copies")
 
     def _probe_pass(self) -> None:
-        """One forward-only pass of a probe microbatch (rows of ``micro_batch_size`` at most,
-        ``seq_length + 1`` tokens); no saved activations, layer by layer."""
+        """One forward-only pass of a probe part (:func:`probe_layout`): padded, ``b`` rows of
+        ``seq_length + 1`` tokens; packed, as the trainer packs it (rl/grpo.py ``probe_set``), one
+        ``[1, t]`` sequence of whole rows (SDPA per row, as the training microbatches); no saved
+        activations, layer by layer."""
         tl = self.timeline
         saved_dims = self.dims
         rows, _ = probe_layout(self.settings)
-        # The probe rows are padded rows of the batch (training/kl_control.py ProbeSet) in either layout.
-        self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": self.settings.seq_length + 1, "segment": 0})
-        saved_packed, self.packed = self.packed, False
+        length = probe_row_tokens(self.settings)
+        if self.settings.packed:
+            self.dims = Dims(**{**saved_dims.__dict__, "b": 1, "s": rows * length, "segment": length})
+        else:
+            self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": length, "segment": 0})
+        saved_packed, self.packed = self.packed, self.settings.packed
         try:
             d = self.dims
             key = ("probe", self._probe_count)
@@ -887,8 +907,31 @@ class _Step:
             return
         d = self.dims
         rows, _ = probe_layout(self.settings)
-        tokens = rows * (self.settings.seq_length + 1)
+        tokens = rows * probe_row_tokens(self.settings)
         self.timeline.moment(kl_reduction_bytes(tokens, d.vocab, self.settings.kl_control), "probe_bytes")
+
+    def _cached_probe(self, parts: int) -> None:
+        """``probe`` mode (training/kl_control.py ``base_logits``, ``kl``): every part's ``s = 0``
+        logits are computed once and a copy of them (the positions the mask counts; here all, the
+        most a part can count) is held through the forecasts; a forecast then runs each part's
+        ``new`` logits and restores its ``old`` ones (a zero-filled part of the logits' size
+        written from the cache) for the KL, freeing both before the next part."""
+        tl, d = self.timeline, self.dims
+        rows, _ = probe_layout(self.settings)
+        size = rows * probe_row_tokens(self.settings) * d.vocab * d.e if self.last else 0
+        for index in range(parts):
+            self._probe_pass()
+            if self.last:
+                tl.alloc(("probe_cache", index), size, "probe_bytes")
+                tl.free(self._probe_logits.pop())
+        for _ in range(parts):
+            self._probe_pass()
+            if self.last:
+                tl.alloc("probe_restored", size, "probe_bytes")
+            self._probe_kl()
+            tl.free("probe_restored", *self._probe_logits)
+            self._probe_logits.clear()
+        tl.free(*(("probe_cache", index) for index in range(parts)))
 
     def controller(self) -> None:
         """The step after the backward: plain optimizer step (``off``), or propose -> probe
@@ -916,12 +959,15 @@ class _Step:
         self._probe_count = 0
         self._probe_logits = []
         _, parts = probe_layout(settings)
-        for _ in range(parts):
-            for _side in ("old", "new"):
-                self._probe_pass()
-                if len(self._probe_logits) > 2:
-                    tl.free(self._probe_logits.pop(0))
-            self._probe_kl()
+        if mode == "probe":
+            self._cached_probe(parts)
+        else:
+            for _ in range(parts):
+                for _side in ("old", "new"):
+                    self._probe_pass()
+                    if len(self._probe_logits) > 2:
+                        tl.free(self._probe_logits.pop(0))
+                self._probe_kl()
         for logits in self._probe_logits:
             tl.free(logits)
         tl.phase = "optimizer"
@@ -993,12 +1039,26 @@ def norm_chunk_bytes(elements: int, chunk_elements: int = NORM_CHUNK_ELEMENTS) -
 
 def probe_layout(settings: PlanSettings) -> tuple:
     """``(rows per forward, forwards per forecast side)`` of the KL controller's probe set on one
-    DP replica: ``--kl-probe-sequences`` rows of its batch, ``--micro-batch-size`` at a time
-    (rl/grpo.py), each ``seq_length + 1`` tokens long (a whole training row)."""
+    DP replica: ``--kl-probe-sequences`` rows of its batch (rl/grpo.py ``probe_set``), padded
+    ``--micro-batch-size`` at a time; packed, bin-packed into parts of the token budget (every
+    row :func:`probe_row_tokens` long, so a part is as many whole rows as the budget holds, one
+    at least: rl/packing.py ``token_bins`` on equal lengths)."""
     per_replica = max(1, settings.global_batch_size // settings.data_parallel)
     rows = min(settings.kl_probe_sequences, per_replica)
-    per_pass = max(1, min(settings.micro_batch_size, rows))
+    if settings.packed:
+        per_pass = max(1, min(rows, settings.tokens_per_microbatch // probe_row_tokens(settings)))
+    else:
+        per_pass = max(1, min(settings.micro_batch_size, rows))
     return per_pass, -(-rows // per_pass)
+
+
+def probe_row_tokens(settings: PlanSettings) -> int:
+    """Tokens of one probe row through the model: padded, a whole training row (``seq_length +
+    1``, inputs and the last label, as ``ProbeSet`` takes the batch's rows); packed, the
+    ``seq_length`` tokens a packed training microbatch holds per row (the trainer's probe rows
+    are rows of its training batch: the default budget then holds ``--micro-batch-size`` of
+    them, as the trainer's does)."""
+    return settings.seq_length if settings.packed else settings.seq_length + 1
 
 
 def peak_step_bytes(settings: PlanSettings, stage: int, platform: str = "cuda") -> int:

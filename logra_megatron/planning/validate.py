@@ -14,7 +14,8 @@ peaks: the tracker's replay may keep a block a gloo thread freed unseen, see
 - the peak of tracked tensor allocations during the step (packed with ``pack_sequences``: each
   microbatch one ``[1, t]`` sequence of the token budget, whole rows of ``seq_length`` end to end
   through ``models/positions.py: pack_rows`` and SDPAttention's packed path, filler to the
-  budget, as the trainer's pipeline fills its microbatches) against
+  budget, as the trainer's pipeline fills its microbatches; the KL probe's parts packed as the
+  trainer packs them, :func:`packed_probe_set`) against
   :func:`logra_megatron.planning.activations.peak_step_bytes` (``platform="cpu"`` on a machine
   without CUDA: what the CPU tracker records).
 
@@ -104,7 +105,10 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica].to(model_device(model))
     rows_per_pass, _ = activations.probe_layout(settings)
     rows = mine[:min(settings.kl_probe_sequences, per_replica)]
-    probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=rows_per_pass)
+    if settings.packed:  # the trainer's packed probe: parts of whole rows up to the token budget
+        probe = packed_probe_set(rows[:, :activations.probe_row_tokens(settings)], rows_per_pass)
+    else:
+        probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=rows_per_pass)
     controller = PredictedKLController(KLControlConfig(mode=settings.kl_control, realized_interval=0,
                                                        probe_sequences=settings.kl_probe_sequences))
 
@@ -157,6 +161,27 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
               "plan_breakdown": {k: v for k, v in step_plan.items() if k != "peak_step_bytes"}}
     record["within_bounds"] = within_bounds(record)
     return record
+
+
+def packed_probe_set(rows, rows_per_part: int):
+    """The KL probe over ``rows`` ([n, s], every token real) as the trainer builds it packed
+    (rl/grpo.py ``probe_set``): each part one packed sequence of whole rows (``pack_rows``, no
+    filler) with its mask in the packed layout. The trainer bins its rows by token count
+    (rl/packing.py ``token_bins``: first fit, longest first); rows of one length fill the parts
+    ``rows_per_part`` at a time in row order, as here (activations.py ``probe_layout``)."""
+    import torch
+
+    from logra_megatron.models.positions import pack_rows
+    from logra_megatron.training.kl_control import ProbeSet
+
+    real = torch.ones_like(rows, dtype=torch.bool)
+    parts = []
+    for start in range(0, rows.shape[0], rows_per_part):
+        packed = pack_rows(rows[start:start + rows_per_part], real[start:start + rows_per_part])
+        mask = torch.zeros_like(packed.tokens, dtype=torch.float)
+        mask[0, :packed.real_tokens] = packed.predicts.float()  # a row's last token predicts nothing
+        parts.append((packed, mask))
+    return ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=rows_per_part, packed=parts)
 
 
 def packed_lm_forward_backward(model, sources, rows_per_microbatch: int, tokens: int) -> float:
