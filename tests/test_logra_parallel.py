@@ -1,8 +1,10 @@
 """LoGRA at TP=2, PP=2, TP=2xPP=2, DP, ZeRO-1 and across a TP=2 -> TP=1 checkpoint equals the
 TP=1 run from the same initial weights (3 steps crossing a projection refresh); in bf16, DP
 replicas stay bit-identical under stochastic rounding and fp32 masters shard over DP and
-reshard through checkpoints; a NaN on one rank skips the step on every rank. One 4-rank launch
-for all."""
+reshard through checkpoints; a NaN on one rank skips the step on every rank. ZeRO-1 with the
+overlapped reduction: per-bucket reduce-scatters, every one started by the backward, give the
+blocking reduction's numbers to the bit with the same bytes, and its checkpoint reshards over DP.
+One 4-rank launch for all."""
 
 import pytest
 from dist_harness import result, run_workers
@@ -48,6 +50,50 @@ def test_checkpoint_at_tp2_resumes_at_tp1_with_the_same_next_update(results):
         assert result(results, "ckpt_save_tp2", rank) is True
         value = result(results, "ckpt_resume_tp1", rank)
         assert value["resumed_step"] == 2
+        assert value["weight_rel_err"] < TOLERANCE, value
+
+
+@pytest.mark.parametrize("check,dp", [("zero1_overlap_dp4", 4), ("zero1_overlap_tp2_dp2", 2)])
+def test_zero1_overlapped_reduce_scatters_start_in_the_backward_and_change_no_bit(results, check, dp):
+    for rank in range(4):
+        value = result(results, check, rank)
+        # the buffer is cut into buckets and each rank owns 1/DP of every one
+        assert value["dp"] == dp and value["buckets"] > 2, value
+        assert value["every_bucket_split_evenly"] and value["slice_is_one_part_of_each"], value
+        # every bucket's reduce-scatter was started by the backward, before optimizer.step(), at
+        # every step; held back, none was (the blocking reduction at the same buckets)
+        assert value["started_overlapped"] == [value["buckets"]] * 3, value
+        assert value["started_blocking"] == [0] * 3, value
+        # one reduce-scatter a bucket a step over DP (the dense buffer adds its own)
+        reduce_scatter = value["reduce_scatter"]["ranks " + ",".join(map(str, dp_ranks(rank, dp)))]
+        assert reduce_scatter["calls"] >= 3 * value["buckets"], value
+        # losses, weights and Adam moments to the bit, the same calls and bytes at every collective
+        assert value["bit_equal"] == {"losses": True, "weights": True, "rule_state": True, "comm": True}, value
+        assert value["moved_by_refresh"] == 2  # the state was carried across a projection refresh
+        assert value["vs_reference"] < TOLERANCE, value
+
+
+def dp_ranks(rank, dp):
+    """The data-parallel group of ``rank`` among 4 ranks at TP = 4 / dp (TP ranks adjacent)."""
+    tp = 4 // dp
+    return [rank % tp + tp * index for index in range(dp)]
+
+
+def test_zero1_overlap_gives_a_tied_embedding_a_bucket_of_its_own_and_sums_it_over_the_stages(results):
+    for rank in range(4):
+        value = result(results, "zero1_overlap_tied_embeddings_pp2_dp2", rank)
+        assert value["tied"] == 1 and value["tied_bucket_alone"], value
+        assert value["started"] == [value["buckets"]] * 3, value
+        assert value["weight_rel_err"] < TOLERANCE, value
+
+
+@pytest.mark.parametrize("check,dp", [("zero1_overlap_ckpt_resume_tp1_dp4", 4),
+                                      ("zero1_overlap_ckpt_resume_tp2_pp2_dp1", 1)])
+def test_zero1_overlapped_checkpoint_resumes_at_other_data_parallel_sizes(results, check, dp):
+    for rank in range(4):
+        assert result(results, "zero1_overlap_ckpt_save_tp2_dp2", rank) is True
+        value = result(results, check, rank)
+        assert value["resumed_step"] == 2 and value["dp"] == dp, value
         assert value["weight_rel_err"] < TOLERANCE, value
 
 

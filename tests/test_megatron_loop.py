@@ -1,6 +1,6 @@
 """examples/megatron_loop.py, the Megatron-LM-shaped loop with LoGRA swapped in by two lines, run
 as a user runs it (torchrun): LoGRA's losses at TP=2, with sequence parallelism, at DP=2 with the
-overlapped sketch reduction, and under the interleaved pipeline (PP=3 and PP=2, with SP and
+overlapped sketch reduction (also under the distributed optimizer), and under the interleaved pipeline (PP=3 and PP=2, with SP and
 overlap too) equal TP=1's; dense Adam (Megatron's own ChainedOptimizer) likewise;
 a checkpoint saved through ``dist_checkpointing`` at TP=2 x PP=2 with the interleaved pipeline
 resumes at TP=1 and at PP=2 on the uninterrupted run's losses, and carries Megatron-LM's args, from
@@ -25,6 +25,9 @@ LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
            "dp2": (2, []),
            # small buckets: several sketch all-reduces, each started by the backward
            "dp2-overlap": (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),
+           # ZeRO-1: each rank owns half of every bucket, whose reduce-scatter the backward starts
+           "dp2-zero1-overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size",
+                                     "20000"]),
            "pp3-vpp2": (3, ["--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]),
            # Every feature at once, on 4 ranks: the interleaved pipeline at PP=2 (3 chunks a rank)
            # with sequence parallelism, and with DP=2 and the overlapped reduction.
@@ -57,8 +60,8 @@ def summary(proc):
 @pytest.fixture(scope="module")
 def runs():
     found = {}
-    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "dp2", "dp2-overlap", "pp3-vpp2", "tp2-pp2-sp-vpp3",
-                                              "pp2-dp2-vpp3-overlap")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
+    for optimizer, layouts in (("logra", ("tp1", "tp2", "tp2-sp", "dp2", "dp2-overlap", "dp2-zero1-overlap", "pp3-vpp2",
+                                              "tp2-pp2-sp-vpp3", "pp2-dp2-vpp3-overlap")), ("adam", ("tp1", "tp2-sp", "pp3-vpp2"))):
         for name in layouts:
             nproc, extra = LAYOUTS[name]
             found[optimizer, name] = summary(loop(["--optimizer", optimizer, *COMMON, *extra], nproc))
@@ -101,6 +104,11 @@ def test_overlapped_sketch_reduction_starts_in_the_backward_and_changes_nothing(
     # each element reduced once by the same collective: the blocking run's losses, to the bit
     assert overlapped["losses"] == blocking["losses"]
     assert blocking["losses"] == pytest.approx(runs["logra", "tp1"]["losses"], rel=1e-5, abs=0)
+    # under the distributed optimizer, per-bucket reduce-scatters, every one started by the backward
+    # (bit-equality with the same buckets reduced after the backward: tests/test_logra_parallel.py)
+    zero1 = runs["logra", "dp2-zero1-overlap"]
+    assert zero1["sketch_buckets_started_in_backward"] == [buckets, buckets]
+    assert zero1["losses"] == pytest.approx(runs["logra", "tp1"]["losses"], rel=1e-5, abs=0)
 
 
 def test_a_tp2_pp2_vpp_checkpoint_resumes_at_tp1_and_at_pp2_on_the_uninterrupted_losses(runs, tmp_path):

@@ -7,6 +7,8 @@ It owns what is per weight and what is communicated:
   the flat buffer);
 - the data-parallel reduction of the sketches: a mean by all-reduce, or in ZeRO-1 mode a
   reduce-scatter so each DP rank keeps one slice (docs/ALGORITHM.md, "DP reduction and ZeRO-1");
+  the buffer's buckets (:class:`Bucket`), the units of that reduction, which the backward starts
+  one by one with ``--overlap-grad-reduce`` (``logra/sketch_overlap.py``);
   and the layout of per-element optimizer state between this rank's slice and the full buffer,
   and of per-line state (one value per row of a right sketch, per column of a left one: the
   weight's rows or columns that the projection does not mix; docs/ALGORITHM.md, "RowAdam");
@@ -26,7 +28,7 @@ from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
 from logra_megatron.logra.sketch import RIGHT, LinearSketch
-from logra_megatron.logra.sketch_overlap import DEFAULT_BUCKET_NUMEL, OverlappedSketchReduction
+from logra_megatron.logra.sketch_overlap import OverlappedSketchReduction
 from logra_megatron.logra.update_memory import ELEMENT, LINE  # noqa: F401 (layouts of a rule's state)
 from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
@@ -61,6 +63,8 @@ class SketchedWeight:
         norms and checkpoints."""
         self.vocab_rows = getattr(module, "logra_vocab_size", None)
         """Real vocabulary rows of an embedding or output weight (None for other weights)."""
+        self.bucket = None
+        """The :class:`Bucket` that holds its sketch (set by the buffer)."""
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -81,21 +85,62 @@ class SketchedWeight:
         return flat[self.line_offset : self.line_offset + self.lines]
 
 
+class Bucket:
+    """A contiguous range ``[start, end)`` of the flat buffer holding whole weights, reduced by
+    one collective. In ZeRO-1 mode it is padded to a multiple of the DP size and each DP rank owns
+    ``shard`` elements of it, ``[start + dp_rank * shard, ... + shard)``, as Megatron's distributed
+    optimizer shards each bucket of its gradient buffer: a bucket's reduce-scatter then leaves
+    every rank its part as soon as that bucket is reduced, without waiting for the others.
+    ``local``: where this rank's part of the bucket starts in its slice (the parts of all buckets,
+    in bucket order)."""
+
+    def __init__(self, start: int, end: int, weights: list, dp: int, local: int):
+        self.start, self.end, self.weights = start, end, weights
+        self.shard = (end - start) // dp
+        self.local = local
+
+    def owned(self, dp_rank: int):
+        """``(first, last)``: the full-buffer range rank ``dp_rank`` owns of this bucket."""
+        first = self.start + dp_rank * self.shard
+        return first, first + self.shard
+
+
+def plan_buckets(numels: List[int], isolate: List[bool], bucket_numel: Optional[int]) -> List[List[int]]:
+    """Indices of consecutive weights per bucket: a bucket is closed once it holds at least
+    ``bucket_numel`` elements (None: one bucket for everything), and a weight marked in
+    ``isolate`` gets a bucket of its own (a tied embedding under ZeRO-1: its bucket is then laid
+    out alike on the first and the last pipeline stage, so the two stages' reduced parts of it
+    can be summed after the DP reduction, as Megatron buckets shared embeddings)."""
+    buckets: List[List[int]] = []
+    filled = 0
+    for index, numel in enumerate(numels):
+        closed = bool(buckets) and (isolate[buckets[-1][-1]] or isolate[index]
+                                    or (bucket_numel is not None and filled >= bucket_numel))
+        if not buckets or closed:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += numel
+    return buckets
+
+
 class SketchBuffer:
     """All sketches of this rank's model chunks in one flat fp32 buffer, attached to their
     sketching linears.
 
-    In ZeRO-1 mode (``logra_config.zero1``) the buffer is padded to a multiple of the DP size and
-    each DP rank owns ``slice_numel`` elements of it; otherwise a "slice" is the whole buffer.
+    The buffer is cut into :class:`Bucket` s of whole weights of at least ``bucket_numel``
+    elements each (None: one bucket), in forward order. In ZeRO-1 mode (``logra_config.zero1``)
+    each bucket is padded to a multiple of the DP size and each DP rank owns ``1 / DP`` of every
+    bucket, ``slice_numel`` elements in all; otherwise a "slice" is the whole buffer. With one
+    bucket that is one contiguous slice of the whole buffer.
     """
 
-    def __init__(self, models, logra_config: LogRAConfig):
+    def __init__(self, models, logra_config: LogRAConfig, bucket_numel: Optional[int] = None):
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.logra = logra_config
         self.zero1 = logra_config.zero1
         self.dp = parallel.dp_size()
         entries = []
-        total = 0
         for model in models:  # the model chunks of this rank (several with a virtual pipeline)
             offset_layers = layer_offset(model)
             tied = bool(getattr(model, "share_embeddings_and_output_weights", False)) and parallel.pp_size() > 1
@@ -108,16 +153,30 @@ class SketchBuffer:
                 projected = in_features if side == RIGHT else out_features
                 rank = logra_config.rank_for(projected, name)
                 entries.append((name, local_name, module, side, out_features, in_features, projected, rank,
-                                total, tied))
-                total += math.prod(LinearSketch.sketch_shape(side, out_features, in_features, rank))
+                                tied))
         if not entries:
             raise ValueError("the model has no sketching linears: build it with logra_layer_spec()")
-        padded = -(-total // self.dp) * self.dp if self.zero1 else total
+        numels = [math.prod(LinearSketch.sketch_shape(e[3], e[4], e[5], e[7])) for e in entries]
+        # Without buckets (no overlap) the tied embedding's two sums keep today's order (over the
+        # stages, then over DP) and need no bucket of its own.
+        isolate = [self.zero1 and bucket_numel is not None and e[8] and e[0] == TIED_EMBEDDING for e in entries]
+        planned = plan_buckets(numels, isolate, bucket_numel)
+        offsets, spans = [0] * len(entries), []
+        total = 0
+        for indices in planned:
+            start = total
+            for index in indices:
+                offsets[index] = total
+                total += numels[index]
+            if self.zero1:  # each bucket splits evenly over DP
+                total = -(-total // self.dp) * self.dp
+            spans.append((start, total))
+        padded = total
         device = model_device(models[0])  # every piece of LoGRA's state lives with the model
         self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
         self.weights: List[SketchedWeight] = []
         line_offset = 0
-        for name, local_name, module, side, out_f, in_f, projected, rank, offset, tied in entries:
+        for (name, local_name, module, side, out_f, in_f, projected, rank, tied), offset in zip(entries, offsets):
             if logra_config.identity_projection:
                 if rank != projected:
                     raise ValueError(f"identity projection needs full rank ({projected}) for {name}")
@@ -137,26 +196,37 @@ class SketchBuffer:
             for module in model.modules():  # a tied output layer on the embedding's stage
                 if isinstance(module, _SketchingMixin) and module.weight is None:
                     module.logra_sketch = model.embedding.word_embeddings.logra_sketch
-        self.slice_numel = padded // self.dp if self.zero1 else padded
+        self.buckets: List[Bucket] = []
+        local = 0
+        for indices, (start, end) in zip(planned, spans):
+            self.buckets.append(Bucket(start, end, [self.weights[i] for i in indices], self.dp if self.zero1 else 1,
+                                       local))
+            local += self.buckets[-1].shard
+            for index in indices:
+                self.weights[index].bucket = self.buckets[-1]
+        self.slice_numel = local
         self.line_numel = line_offset
         """Length of flat per-line state (never sliced over DP)."""
         self.overlap: Optional[OverlappedSketchReduction] = None
         """The bucketed reduction that overlaps the backward (:meth:`overlap_with_backward`)."""
         self._models = models
 
-    def overlap_with_backward(self, bucket_numel: Optional[int] = None) -> bool:
-        """Reduce in buckets during the last microbatch's backward (``logra/sketch_overlap.py``);
-        False (nothing changed) where it cannot help: one DP replica, or ZeRO-1 slices."""
-        if self.dp == 1 or self.zero1:
+    def overlap_with_backward(self) -> bool:
+        """Reduce bucket by bucket during the last microbatch's backward (``logra/sketch_overlap.py``):
+        all-reduces, or reduce-scatters in ZeRO-1 mode; False (nothing changed) where nothing is
+        reduced (one DP replica)."""
+        if self.dp == 1:
             return False
+        if self.sliced and any(entry.tied_across_stages and entry.bucket.weights != [entry] for entry in self.weights):
+            raise ValueError("the overlapped ZeRO-1 reduction needs the tied embedding in a bucket of its own: "
+                             "build the buffer with a bucket_numel")
         sites = {}
         for model in self._models:
             for module in model.modules():
                 sketch = getattr(module, "logra_sketch", None)
                 if sketch is not None:
                     sites[id(sketch)] = sites.get(id(sketch), 0) + 1
-        self.overlap = OverlappedSketchReduction(self, parallel.dp_group(), sites,
-                                                 bucket_numel or DEFAULT_BUCKET_NUMEL)
+        self.overlap = OverlappedSketchReduction(self, parallel.dp_group(), sites)
         return True
 
     @property
@@ -184,27 +254,43 @@ class SketchBuffer:
         if self.overlap is not None:
             return self.overlap.finish()
         if self.zero1:
-            shard = self.flat.new_empty(self.flat.numel() // self.dp)
-            dist.reduce_scatter_tensor(shard, self.flat, group=parallel.dp_group())
+            shard = self.flat.new_empty(self.slice_numel)
+            for bucket in self.buckets:
+                self.reduce_scatter_bucket(bucket, shard)
             return shard.div_(self.dp)
         dist.all_reduce(self.flat, group=parallel.dp_group())
         return self.flat.div_(self.dp)
 
-    def reduce_tied(self) -> None:
+    def reduce_scatter_bucket(self, bucket: Bucket, shard: torch.Tensor, async_op: bool = False):
+        """Sum ``bucket`` over DP into this rank's part of it in ``shard`` (a slice-long tensor)."""
+        return dist.reduce_scatter_tensor(shard[bucket.local:bucket.local + bucket.shard],
+                                          self.flat[bucket.start:bucket.end], group=parallel.dp_group(),
+                                          async_op=async_op)
+
+    def reduce_tied(self, reduced: Optional[torch.Tensor] = None) -> None:
         """Sum a tied embedding's sketch (and range and norm samples) over Megatron's embedding
-        group: the first stage saw the lookups, the last stage the logits."""
+        group: the first stage saw the lookups, the last stage the logits. ``reduced``: the
+        sketch was already reduce-scattered over DP into this slice (the overlapped ZeRO-1
+        reduction): sum this rank's part of it there, which is the same part of the same bucket
+        on both stages (the embedding has a bucket of its own, :func:`plan_buckets`)."""
         for entry in self.weights:
             if entry.tied_across_stages:
-                for tensor in (entry.sketch.sketch, entry.sketch.range_sample, entry.sketch.norm_sample):
+                sketch = entry.sketch.sketch
+                if reduced is not None and self.sliced:
+                    sketch = self.local_part(entry, reduced)
+                for tensor in (sketch, entry.sketch.range_sample, entry.sketch.norm_sample):
                     if tensor is not None:
                         dist.all_reduce(tensor, group=parallel_state.get_embedding_group())
 
     def local_part(self, entry: SketchedWeight, local: torch.Tensor):
         """The elements of ``entry`` within this rank's slice ``local`` (a flat view), or None."""
-        start = parallel.dp_rank() * self.slice_numel if self.sliced else 0
-        first = max(entry.offset, start)
-        last = min(entry.offset + entry.numel, start + local.numel())
-        return local[first - start:last - start] if last > first else None
+        if not self.sliced:
+            return local[entry.offset:entry.offset + entry.numel]
+        bucket = entry.bucket
+        start, stop = bucket.owned(parallel.dp_rank())
+        first, last = max(entry.offset, start), min(entry.offset + entry.numel, stop)
+        base = bucket.local - start
+        return local[base + first:base + last] if last > first else None
 
     def squared_norm(self, grads: torch.Tensor) -> float:
         """Squared norm of the whole model's reduced sketch gradient, from this rank's
@@ -228,15 +314,23 @@ class SketchBuffer:
             return local
         gathered = self.flat.new_empty(self.flat.numel())
         dist.all_gather_into_tensor(gathered, local, group=parallel.dp_group())
-        return gathered
+        if len(self.buckets) == 1:  # rank-major is bucket-major
+            return gathered
+        # rank-major (every rank's slice in turn) to the buffer's layout (every bucket in turn)
+        by_rank = gathered.view(self.dp, self.slice_numel)
+        full = torch.empty_like(gathered)
+        for bucket in self.buckets:
+            full[bucket.start:bucket.end].view(self.dp, bucket.shard).copy_(
+                by_rank[:, bucket.local:bucket.local + bucket.shard])
+        return full
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full-length flat tensor (a view; ``full`` itself when not
-        sliced)."""
+        """This rank's slice of a full-length flat tensor: ``full`` itself when not sliced, a view
+        with one bucket, else a new tensor of its parts of every bucket."""
         if not self.sliced:
             return full
-        start = parallel.dp_rank() * self.slice_numel
-        return full[start : start + self.slice_numel]
+        parts = [full[slice(*bucket.owned(parallel.dp_rank()))] for bucket in self.buckets]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # --- inspection ------------------------------------------------------------------------------
 

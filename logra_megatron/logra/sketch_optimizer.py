@@ -94,13 +94,16 @@ class SketchSpaceOptimizer(MegatronOptimizer):
         self.is_stub_optimizer = False
         self.logra = logra_config
         self.model_chunks = list(model_chunks)
-        self.sketch_buffer = SketchBuffer([unwrap_model(chunk) for chunk in self.model_chunks], logra_config)
-        # Megatron's --overlap-grad-reduce covers the sketches too: bucketed all-reduces started
-        # during the last microbatch's backward (logra/sketch_overlap.py).
+        # Megatron's --overlap-grad-reduce covers the sketches too: the buffer is cut into buckets
+        # of the DDP's --ddp-bucket-size (one bucket without overlap, as Megatron's DDP does),
+        # whose all-reduces, or ZeRO-1 reduce-scatters, start during the last microbatch's backward
+        # (logra/sketch_overlap.py).
         ddp_config = getattr(self.model_chunks[0], "ddp_config", None)
-        if ddp_config is not None and ddp_config.overlap_grad_reduce:
-            if self.sketch_buffer.overlap_with_backward(ddp_config.bucket_size):
-                install_no_sync(self.model_chunks, self.sketch_buffer.overlap)
+        overlap = ddp_config is not None and ddp_config.overlap_grad_reduce
+        self.sketch_buffer = SketchBuffer([unwrap_model(chunk) for chunk in self.model_chunks], logra_config,
+                                          bucket_numel=ddp_config.bucket_size if overlap else None)
+        if overlap and self.sketch_buffer.overlap_with_backward():
+            install_no_sync(self.model_chunks, self.sketch_buffer.overlap)
         name = update_rule or logra_config.update
         rule = UPDATE_RULES.get(name)
         declares = UPDATE_RULES.entry(name).options is not None
@@ -148,9 +151,10 @@ class SketchSpaceOptimizer(MegatronOptimizer):
         reduced sketch holds an inf or NaN on any rank."""
         if self.sketch_buffer.overlap is not None:
             # The DP reduction is in flight on the sketch buffer: let it land before the tied
-            # embedding's sum over stages touches the same memory (the two sums commute).
+            # embedding's sum over stages touches the same memory (the two sums commute up to
+            # rounding); under ZeRO-1 that sum is of this rank's reduced part of the embedding.
             self.grads = self.sketch_buffer.reduce()
-            self.sketch_buffer.reduce_tied()
+            self.sketch_buffer.reduce_tied(self.grads)
         else:
             self.sketch_buffer.reduce_tied()
             self.grads = self.sketch_buffer.reduce()

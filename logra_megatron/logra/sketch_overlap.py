@@ -2,19 +2,21 @@
 dense gradient reduction (``--overlap-grad-reduce``).
 
 The flat sketch buffer (``logra/sketch_buffer.py``) is cut into contiguous buckets of whole
-weights. On the last microbatch of a step (Megatron's schedules run every other microbatch
-inside ``config.no_sync_func``) each sketching layer reports when its backward has added to its
-sketch; when every weight of a bucket has reported, the bucket's data-parallel all-reduce starts
-asynchronously while the backward goes on through earlier layers. The buffer is laid out in
-forward order, so the last bucket fills first, exactly as Megatron's reversed buckets do.
-:meth:`OverlappedSketchReduction.finish` (called by the optimizer's ``prepare_grads``) starts any
-bucket that never filled (a weight the step did not reach) and waits for all of them: the result
-is the blocking all-reduce's, bit for bit, since every element is reduced once by the same
-collective over the same group.
+weights (:class:`~logra_megatron.logra.sketch_buffer.Bucket`). On the last microbatch of a step
+(Megatron's schedules run every other microbatch inside ``config.no_sync_func``) each sketching
+layer reports when its backward has added to its sketch; when every weight of a bucket has
+reported, the bucket's data-parallel reduction starts asynchronously while the backward goes on
+through earlier layers. The buffer is laid out in forward order, so the last bucket fills first,
+exactly as Megatron's reversed buckets do. :meth:`OverlappedSketchReduction.finish` (called by
+the optimizer's ``prepare_grads``) starts any bucket that never filled (a weight the step did not
+reach) and waits for all of them.
 
-Only the all-reduce overlaps. Under ZeRO-1 (``--use-distributed-optimizer``) the sketch is
-reduce-scattered into per-rank slices of the whole buffer, which bucket-wise reduce-scatters
-would lay out differently; that reduction stays one call after the backward.
+The reduction is an all-reduce of the bucket, or under ZeRO-1 (``--use-distributed-optimizer``)
+a reduce-scatter of it into this rank's part of the bucket: the buffer gives each DP rank
+``1 / DP`` of every bucket, as Megatron's distributed optimizer shards each bucket of its
+gradient buffer, so a bucket's reduce-scatter is complete on its own. The result is the blocking
+reduction's at the same buckets, bit for bit: every element is reduced once by the same
+collective over the same group, with the same bytes.
 
 Megatron-LM's ``train()`` sets ``config.no_sync_func = [chunk.no_sync for chunk in model]`` when
 ``overlap_grad_reduce`` is on; :func:`install_no_sync` makes each DDP chunk's ``no_sync`` also
@@ -27,41 +29,32 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_NUMEL = 40_000_000
-"""Elements per bucket when the DDP config names none: Megatron-LM's default bucket size."""
-
-
 class OverlappedSketchReduction:
-    """Buckets of ``buffer.flat`` whose DP all-reduces start as soon as their sketches are final.
-    ``sites``: how many backward sites add to each sketch per microbatch (``id(sketch) -> count``;
-    1 where absent): a tied output layer and the embedding lookup on one stage both add to the
-    embedding's."""
+    """The buffer's buckets (``buffer.buckets``), whose DP reductions start as soon as their
+    sketches are final. ``sites``: how many backward sites add to each sketch per microbatch
+    (``id(sketch) -> count``; 1 where absent): a tied output layer and the embedding lookup on one
+    stage both add to the embedding's."""
 
-    def __init__(self, buffer, group, sites: Dict[int, int], bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    def __init__(self, buffer, group, sites: Dict[int, int]):
         self.buffer = buffer
         self.group = group
-        self.buckets: List[dict] = []
+        self.buckets: List = buffer.buckets
         self._bucket_of: Dict[int, int] = {}
         self._sites = dict(sites)
-        # Whole weights per bucket, in buffer order (the backward fills the last one first).
-        current = None
-        for entry in buffer.weights:
-            if current is None or current["end"] - current["start"] >= bucket_numel:
-                current = {"start": entry.offset, "end": entry.offset, "sketches": []}
-                self.buckets.append(current)
-            current["end"] = entry.offset + entry.numel
-            current["sketches"].append(id(entry.sketch))
-            self._bucket_of[id(entry.sketch)] = len(self.buckets) - 1
-            entry.sketch.on_accumulated = self._report
-        self.buckets[-1]["end"] = buffer.flat.numel()  # padding, if any, rides with the last bucket
+        for index, bucket in enumerate(self.buckets):
+            for entry in bucket.weights:
+                self._bucket_of[id(entry.sketch)] = index
+                entry.sketch.on_accumulated = self._report
         self._no_sync_depth = 0
         self.reset()
 
     def reset(self) -> None:
         """A new step: no reports, no reduction in flight."""
         self._reports: Dict[int, int] = {}
-        self._pending = [len(bucket["sketches"]) for bucket in self.buckets]
+        self._pending = [len(bucket.weights) for bucket in self.buckets]
         self._handles = [None] * len(self.buckets)
+        self._shard = None
+        """ZeRO-1: this rank's slice, filled bucket by bucket by the reduce-scatters."""
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -90,7 +83,12 @@ class OverlappedSketchReduction:
 
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
-        self._handles[index] = dist.all_reduce(self.buffer.flat[bucket["start"]:bucket["end"]], group=self.group,
+        if self.buffer.sliced:
+            if self._shard is None:  # new each step, as the blocking reduction's: the step's gradient
+                self._shard = self.buffer.flat.new_empty(self.buffer.slice_numel)
+            self._handles[index] = self.buffer.reduce_scatter_bucket(bucket, self._shard, async_op=True)
+            return
+        self._handles[index] = dist.all_reduce(self.buffer.flat[bucket.start:bucket.end], group=self.group,
                                                async_op=True)
 
     @property
@@ -99,13 +97,16 @@ class OverlappedSketchReduction:
         return sum(handle is not None for handle in self._handles)
 
     def finish(self) -> torch.Tensor:
-        """Start what never started, wait for everything; the DP mean of the whole buffer."""
+        """Start what never started, wait for everything; the DP mean of the whole buffer, or
+        under ZeRO-1 of this rank's slice."""
         for index, handle in enumerate(self._handles):
             if handle is None:
                 self._start(index)
         for handle in self._handles:
             handle.wait()
-        return self.buffer.flat.div_(dist.get_world_size(group=self.group))
+        reduced = self._shard if self.buffer.sliced else self.buffer.flat
+        self._shard = None
+        return reduced.div_(dist.get_world_size(group=self.group))
 
 
 def install_no_sync(model_chunks, reduction: OverlappedSketchReduction) -> None:

@@ -25,7 +25,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                     seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
                     attention_backend: str = "auto", sequence_parallel: bool = False,
-                    overlap_grad_reduce: bool = False):
+                    overlap_grad_reduce: bool = False, ddp_bucket_size: Optional[int] = None):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a Megatron-Core ``ChainedOptimizer``,
     :class:`~logra_megatron.optim.controlled.ControlledOptimizer`). The fresh weights are a
@@ -33,7 +33,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     recomputation in the backward (default: none). ``attention_backend``: the layers' core
     attention (``--attention-backend``: auto, sdpa or unfused). ``sequence_parallel`` and
     ``overlap_grad_reduce`` are Megatron's (the latter covers LoGRA's sketches too:
-    ``logra/sketch_overlap.py``). Under a virtual pipeline (process groups initialized with one)
+    ``logra/sketch_overlap.py``); ``ddp_bucket_size`` is Megatron's ``--ddp-bucket-size`` (None:
+    its default). Under a virtual pipeline (process groups initialized with one)
     the model and its DDP wrapper are lists, one model chunk per virtual stage."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
@@ -47,7 +48,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     else:
         spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, bucket_size=ddp_bucket_size,
         use_distributed_optimizer=settings.distributed)
     # One model chunk per virtual pipeline stage (Megatron's interleaved schedule, when the
     # process groups were initialized with one: parallel.initialize(virtual_pipeline=...)),

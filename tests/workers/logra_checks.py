@@ -1,9 +1,12 @@
 """LoGRA checks on 4 gloo ranks, all against a TP=1 reference from the same initial weights:
 TP=2 (same sketches, same weights after 3 steps), DP vs the combined batch, PP=2, TP=2xPP=2,
-ZeRO-1 vs all-reduce, and a checkpoint saved at TP=2 resumed at TP=1. In bf16: DP replicas stay
+ZeRO-1 vs all-reduce, and a checkpoint saved at TP=2 resumed at TP=1. ZeRO-1 with the overlapped
+reduction (per-bucket reduce-scatters started by the backward) against the same buckets reduced
+after the backward, and its checkpoint resumed at DP=4 and at DP=1. In bf16: DP replicas stay
 bit-identical under stochastic rounding, fp32 masters sharded over DP (ZeRO-1) equal unsharded
 ones, and fp32 masters survive a TP=2 -> TP=1 checkpoint."""
 
+import contextlib
 import dataclasses
 import hashlib
 
@@ -16,6 +19,8 @@ from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state, gather_full, load_full_state
+from logra_megatron.optim.megatron_internals import DISTRIBUTED_CHECKPOINT_METADATA, loading_distributed_adam_state
+from logra_megatron.platform.comm_counter import CommCounter
 from logra_megatron.training.lm import lm_forward_backward
 from logra_megatron.training.config import OptimizerSettings
 from logra_megatron.training.setup import build_trainable
@@ -137,6 +142,98 @@ def main():
 
     checks.run("ckpt_resume_tp1", resume_at_tp1)
 
+    # --- ZeRO-1 with --overlap-grad-reduce: each rank owns 1/DP of every bucket, whose
+    # reduce-scatter the backward starts; against the same buckets reduce-scattered after it ----
+    bucket_numel = 2000  # elements: several buckets of the tiny model's sketches at TP=2
+
+    def zero1_overlap(tp, hold, steps=STEPS, split_batch=True, pp=1, logra=LOGRA, model_config=MODEL,
+                      initial=None):
+        """Steps at ZeRO-1 with overlap; ``hold``: every sketch report held back, so each bucket's
+        reduce-scatter starts only after the last backward (the blocking reduction at the same
+        buckets). Returns the run and per step: the buckets started before ``step()``."""
+        parallel.initialize(tp, pp, seed=77)
+        model, ddp, optimizer = build_trainable(model_config, settings(True), logra, overlap_grad_reduce=True,
+                                                ddp_bucket_size=bucket_numel)
+        load_full_state(model, initial if initial is not None else reference_initial)
+        batch = tokens
+        if split_batch:
+            per = tokens.shape[0] // parallel.dp_size()
+            batch = tokens[parallel.dp_rank() * per:(parallel.dp_rank() + 1) * per]
+        overlap = optimizer.sketch_buffer.overlap
+        started, losses = [], []
+        with CommCounter() as comm:
+            for _ in range(steps):
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
+                with overlap.no_sync() if hold else contextlib.nullcontext():
+                    losses.append(lm_forward_backward(ddp, batch, micro_batch_size=2))
+                started.append(overlap.started)
+                optimizer.step()
+        return model, ddp, optimizer, {"started": started, "losses": losses, "comm": comm.summary()}
+
+    def rule_state(optimizer):
+        return {name: tensor.clone() for name, tensor in optimizer.sketch._full_rule_state().items()}
+
+    def zero1_overlap_vs_blocking(tp):
+        model, _, optimizer, overlapped = zero1_overlap(tp, hold=False)
+        weights, state = full_state(model), rule_state(optimizer)
+        buffer = optimizer.sketch_buffer
+        layout = {"buckets": len(buffer.buckets), "dp": buffer.dp,
+                  "every_bucket_split_evenly": all(b.shard * buffer.dp == b.end - b.start for b in buffer.buckets),
+                  "slice_is_one_part_of_each": buffer.slice_numel == sum(b.shard for b in buffer.buckets),
+                  "moved_by_refresh": optimizer.refreshes_done}
+        blocking_model, _, blocking_opt, blocking = zero1_overlap(tp, hold=True)
+        same = {"losses": overlapped["losses"] == blocking["losses"],
+                "weights": all(torch.equal(weights[k], v) for k, v in full_state(blocking_model).items()),
+                "rule_state": all(torch.equal(state[k], v) for k, v in rule_state(blocking_opt).items()),
+                "comm": overlapped["comm"] == blocking["comm"]}
+        reduce_scatter = overlapped["comm"]["by_op"].get("reduce_scatter_tensor", {})
+        return {**layout, "started_overlapped": overlapped["started"], "started_blocking": blocking["started"],
+                "bit_equal": same, "reduce_scatter": reduce_scatter,
+                "vs_reference": max_rel(weights, reference_final)[0]}
+
+    checks.run("zero1_overlap_dp4", zero1_overlap_vs_blocking, 1)
+    checks.run("zero1_overlap_tp2_dp2", zero1_overlap_vs_blocking, 2)
+
+    # A checkpoint of the bucketed ZeRO-1 layout (TP=2 x DP=2, full batch on every replica) after
+    # 2 steps, resumed at TP=1 x DP=4 (other buckets, other slices) and at TP=2 x PP=2 (DP=1).
+    zero1_ckpt = f"{checks.args.out}/logra_zero1_overlap_ckpt"
+    zero1_continued = {}
+
+    def zero1_overlap_save_then_continue():
+        model, ddp, optimizer, _ = zero1_overlap(2, hold=False, steps=2, split_batch=False)
+        # Megatron's distributed optimizer (the dense part) saved per parameter, as the trainer does
+        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(),
+                                                           metadata=DISTRIBUTED_CHECKPOINT_METADATA)}
+        save_checkpoint(zero1_ckpt, model, MODEL, extra_sharded=extra)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, tokens, micro_batch_size=2)
+        optimizer.step()
+        zero1_continued.update(full_state(model))
+        return True
+
+    def zero1_overlap_resume(tp, pp):
+        parallel.initialize(tp, pp, seed=5)
+        model, ddp, optimizer = build_trainable(MODEL, settings(True), LOGRA, overlap_grad_reduce=True,
+                                                ddp_bucket_size=bucket_numel)
+        with loading_distributed_adam_state(optimizer):
+            extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
+                                                               metadata=DISTRIBUTED_CHECKPOINT_METADATA)}
+            optimizer.load_state_dict(load_checkpoint(zero1_ckpt, model, extra_sharded=extra)["optimizer"])
+        resumed_step = optimizer.step_count
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        lm_forward_backward(ddp, tokens, micro_batch_size=2)
+        optimizer.step()
+        error, worst = max_rel(full_state(model), zero1_continued)
+        return {"weight_rel_err": error, "worst": worst, "resumed_step": resumed_step, "dp": parallel.dp_size(),
+                "buckets": len(optimizer.sketch_buffer.buckets)}
+
+    checks.run("zero1_overlap_ckpt_save_tp2_dp2", zero1_overlap_save_then_continue)
+    checks.run("zero1_overlap_ckpt_resume_tp1_dp4", zero1_overlap_resume, 1, 1)
+    checks.run("zero1_overlap_ckpt_resume_tp2_pp2_dp1", zero1_overlap_resume, 2, 2)
+
     # --- sketched embeddings (untied and tied) against their own TP=1 reference -------------------
     def embedding_suite(tied):
         model_config = MODEL.with_changes(tie_embeddings=tied)
@@ -145,6 +242,7 @@ def main():
         initial = full_state(_build(model_config, settings(), logra)[0])
         ref_model, _, ref_opt, ref_sketches = run(1, 1, initial=initial, logra=logra, model_config=model_config)
         reference = full_state(ref_model)
+        embedding_references[tied] = (initial, reference)
         vocab_names = [e.name for e in ref_opt.weights if e.vocab_rows is not None]
         out = {"vocab_weights": vocab_names, "moved": max_rel(reference, initial)[0]}
         for tp, pp in ((2, 1), (1, 2), (2, 2)):
@@ -163,8 +261,25 @@ def main():
                                      "sketched_here": sorted(k for k in sketches if k in vocab_names)}
         return out
 
+    embedding_references = {}
     checks.run("embeddings_untied", embedding_suite, False)
     checks.run("embeddings_tied", embedding_suite, True)
+
+    def zero1_overlap_tied_embeddings():
+        """Tied, sketched embeddings at PP=2 x DP=2 under ZeRO-1 with the overlapped reduction: the
+        embedding has a bucket of its own on both stages, so the stages' reduced parts of it are
+        summed after the reduce-scatters."""
+        model_config = MODEL.with_changes(tie_embeddings=True)
+        initial, reference = embedding_references[True]
+        model, _, optimizer, run_info = zero1_overlap(1, hold=False, split_batch=False, pp=2,
+                                                      logra=dataclasses.replace(LOGRA, embeddings=True),
+                                                      model_config=model_config, initial=initial)
+        tied = [entry for entry in optimizer.weights if entry.tied_across_stages]
+        return {"weight_rel_err": max_rel(full_state(model), reference)[0], "started": run_info["started"],
+                "buckets": len(optimizer.sketch_buffer.buckets),
+                "tied_bucket_alone": all(entry.bucket.weights == [entry] for entry in tied), "tied": len(tied)}
+
+    checks.run("zero1_overlap_tied_embeddings_pp2_dp2", zero1_overlap_tied_embeddings)
 
     # --- bf16 master modes -----------------------------------------------------------------------
     def bf16(master, tp=1, split_batch=True, distributed=False):
