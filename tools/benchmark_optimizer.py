@@ -219,7 +219,8 @@ def run_child(args) -> dict:
         return unavailable_row(row, args, str(unavailable(row, error, "its first step")))
     components = measure_components(model, ddp, optimizer, control["controller_extra_bytes"])
     on_gpu = model_device(model).type == "cuda"
-    by_device = dense_state_by_device(optimizer)
+    mains = [p for part in optimizer.dense for group in main_param_groups(part) for p in group]
+    by_device = dense_state_by_device(optimizer, counted=[*model.parameters(), *mains])
     if row != "logra":
         # The dense optimizer's state, each storage once (bitsandbytes' quantization maps are shared
         # by all its parameters); state kept on the host beside a GPU model is the offload's.
@@ -239,8 +240,7 @@ def run_child(args) -> dict:
         "cuda_max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if cuda_available() else None,
         **host_rss_bytes(),
         "offloaded_state_bytes": by_device.get("cpu", 0) if on_gpu else 0,
-        "main_tensor_numels": [p.numel() for part in optimizer.dense for group in main_param_groups(part)
-                               for p in group],
+        "main_tensor_numels": [p.numel() for p in mains],
     }
 
 

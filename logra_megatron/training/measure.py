@@ -85,13 +85,15 @@ def measure_step(run_step, coordinates: dict):
     }
 
 
-def dense_state_by_device(optimizer) -> dict:
+def dense_state_by_device(optimizer, counted=()) -> dict:
     """Bytes of the state the dense optimizers inside ``optimizer`` hold, each storage once, by
     device type (``{"cpu": ..., "cuda": ...}``): every tensor in their inner torch optimizer's
     ``state`` (Adam's moments and step; bitsandbytes' 8-bit moments, block scales and the
     quantization maps all its parameters share; ``HybridDeviceOptimizer``'s host masters) and,
     under CPU offload, the pinned host gradients (``cpu_copy_map_grad``). Counting each storage
-    once is what tells the shared maps from per-parameter state."""
+    once is what tells the shared maps from per-parameter state. ``counted``: tensors counted
+    elsewhere (the weights and the masters Megatron's optimizer names), left out: the offload's
+    state names each main it updates on the GPU as ``master_param``."""
     import torch
 
     seen, by_device = set(), {}
@@ -106,6 +108,8 @@ def dense_state_by_device(optimizer) -> dict:
         seen.add(key)
         by_device[tensor.device.type] = by_device.get(tensor.device.type, 0) + storage.nbytes()
 
+    for tensor in counted:
+        seen.add((tensor.untyped_storage().data_ptr(), tensor.device.type))
     for part in optimizer.dense:
         inner = part.optimizer
         for state in inner.state.values():
