@@ -5,7 +5,8 @@
 # --wheels DIR: megatron-core's wheel (and any other small wheel) to install when megatron-core
 # does not import; the README gives the `pip download` line that makes DIR. --cpu: the same
 # stages on the tiny preset on the CPU (what CI runs). Writes OUT_DIR/report.json, report.md and
-# stages.log; exits 1 when a stage failed.
+# stages.log; exits 1 when a stage failed. The `baselines` stage (precision-aware Adam, CPU offload
+# and LoGRA on qwen2.5-1.5b, docs/BASELINES.md) needs CUDA: --cpu reports it skipped.
 set -uo pipefail
 # The Python: PYTHON, else the project's .venv when it exists, else python3 (launch/python_env.sh).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -8,7 +8,9 @@ goes on. ``OUT_DIR`` receives ``report.json`` (``{"stages": {NAME: {"status": "o
 
 ``--cpu`` runs the same stages on the ``tiny`` preset on the CPU, at sizes that take a few
 minutes on 2 cores (CI runs this mode); on a GPU the stages use ``smollm2-135m``,
-``qwen2.5-1.5b`` and, for ``big``, the largest preset the planner fits on the device.
+``qwen2.5-1.5b`` and, for ``big``, the largest preset the planner fits on the device. A stage
+marked ``needs_cuda`` (``baselines``: precision-aware Adam and CPU offload, which megatron-core
+cannot run without CUDA, beside LoGRA; docs/BASELINES.md) is reported skipped in ``--cpu`` mode.
 """
 
 import argparse
@@ -50,6 +52,8 @@ class Stage:
     passed: Callable[[dict], Optional[str]] = lambda figures: None
     """A reason to fail a stage that exited 0 (None: it passed)."""
     env: dict = field(default_factory=dict)
+    needs_cuda: bool = False
+    """Run only on a GPU: in ``--cpu`` mode it is reported skipped (its rows cannot run there)."""
 
 
 # --- what each stage reports --------------------------------------------------------------------
@@ -78,6 +82,41 @@ def benchmark_figures(output: str) -> dict:
         figures[side] = {key: value for key, value in report[side].items() if isinstance(value, (int, float))}
     figures["logra_over_dense"] = report.get("ratio", {})
     return figures
+
+
+BASELINE_ROWS = ("adam-precision-aware", "adam-cpu-offload", "logra")
+"""The ``baselines`` stage's rows (``tools/benchmark_optimizer.py --rows``): the dense baselines a
+Megatron user short of memory turns on, beside LoGRA."""
+BASELINE_FIGURES = ("status", "reason", "cuda_max_memory_allocated_bytes", "peak_step_bytes", "host_rss_bytes",
+                    "host_peak_rss_bytes", "offloaded_state_bytes", "step_time_s", "training_state_bytes")
+
+
+def baseline_command(python: str, cpu: bool, sizes: List[str]) -> List[str]:
+    """The ``baselines`` stage: precision-aware Adam, CPU offload (with Megatron's copy overlap, as
+    slime's recipe runs it) and LoGRA on ``qwen2.5-1.5b`` in bf16 (``tiny`` with ``--cpu``), one
+    process per row."""
+    return [python, str(REPO / "tools" / "benchmark_optimizer.py"), "--preset", "tiny" if cpu else "qwen2.5-1.5b",
+            "--bf16", "--rows", ",".join(BASELINE_ROWS), "--overlap-cpu-optimizer-d2h-h2d",
+            "--logra-master", "bf16-sr", "--logra-embeddings", "--kl-control", "probe", "--steps", "2", *sizes, "--json"]
+
+
+def baseline_figures(output: str) -> dict:
+    """Per row, side by side: CUDA's peak, host RSS, step time, the state measured and the
+    planner's (GPU and host), and why a row could not run."""
+    rows = last_json(output)["rows"]
+    missing = [row for row in BASELINE_ROWS if row not in rows]
+    if missing:
+        raise ValueError(f"no row {', '.join(missing)} in the benchmark's report")
+    return {row: {**{key: rows[row][key] for key in BASELINE_FIGURES},
+                  "planned_training_state_bytes": rows[row]["planned"]["training_state_bytes"],
+                  "planned_host_state_bytes": rows[row]["planned"]["host_state_bytes"]}
+            for row in BASELINE_ROWS}
+
+
+def baseline_passed(figures: dict) -> Optional[str]:
+    """LoGRA must run; a baseline that cannot (no Transformer Engine for precision-aware Adam) is a
+    finding its row's reason records, not a failure."""
+    return None if figures["logra"]["status"] == "measured" else "the LoGRA row did not run"
 
 
 def validate_figures(output: str) -> dict:
@@ -157,6 +196,8 @@ def stages(cpu: bool, scratch: Path, python: str) -> List[Stage]:
         Stage("speed", [python, f"{tools}/benchmark_step_phases.py", "--preset", speed_preset, "--bf16",
                         "--logra-master", "bf16-sr", "--logra-embeddings", "--kl-control", "probe", "--steps", "2",
                         *sizes, "--json"], 240, phases_figures),
+        Stage("baselines", baseline_command(python, cpu, sizes), 300, baseline_figures, baseline_passed,
+              needs_cuda=True),
     ]
     for preset in presets:
         for master in ("fp32", "bf16-sr"):
@@ -257,7 +298,10 @@ def main(argv=None):
         for stage in planned:
             if wanted is not None and stage.name not in wanted:
                 continue
-            if time.perf_counter() - start > budget:
+            if stage.needs_cuda and args.cpu:
+                report["stages"][stage.name] = {"status": "skipped", "seconds": 0,
+                                                "reason": "needs CUDA (run on a GPU without --cpu)"}
+            elif time.perf_counter() - start > budget:
                 report["stages"][stage.name] = {"status": "skipped", "seconds": 0, "reason": "time budget spent"}
             else:
                 print(f"[gpu_check] {stage.name} ...", flush=True)

@@ -83,3 +83,51 @@ def measure_step(run_step, coordinates: dict):
         "comm_bytes_by_kind": summary["by_kind"],
         "comm_by_op": summary["by_op"],
     }
+
+
+def dense_state_by_device(optimizer, counted=()) -> dict:
+    """Bytes of the state the dense optimizers inside ``optimizer`` hold, each storage once, by
+    device type (``{"cpu": ..., "cuda": ...}``): every tensor in their inner torch optimizer's
+    ``state`` (Adam's moments and step; bitsandbytes' 8-bit moments, block scales and the
+    quantization maps all its parameters share; ``HybridDeviceOptimizer``'s host masters) and,
+    under CPU offload, the pinned host gradients (``cpu_copy_map_grad``). Counting each storage
+    once is what tells the shared maps from per-parameter state. ``counted``: tensors counted
+    elsewhere (the weights and the masters Megatron's optimizer names), left out: the offload's
+    state names each main it updates on the GPU as ``master_param``."""
+    import torch
+
+    seen, by_device = set(), {}
+
+    def add(tensor):
+        if not torch.is_tensor(tensor):
+            return
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.device.type)
+        if key in seen or storage.nbytes() == 0:
+            return
+        seen.add(key)
+        by_device[tensor.device.type] = by_device.get(tensor.device.type, 0) + storage.nbytes()
+
+    for tensor in counted:
+        seen.add((tensor.untyped_storage().data_ptr(), tensor.device.type))
+    for part in optimizer.dense:
+        inner = part.optimizer
+        for state in inner.state.values():
+            for value in state.values():
+                add(value)
+        for grad in getattr(inner, "cpu_copy_map_grad", {}).values():
+            add(grad)
+    return by_device
+
+
+def host_rss_bytes() -> dict:
+    """The process's resident memory now and its peak (Linux: ``/proc/self/statm``, ``ru_maxrss``),
+    in bytes: the host's figure beside the tensors (runtime, allocator caches and libraries in it)."""
+    import os
+    import resource
+
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # The kernel updates the high-water mark lazily: it can trail the resident size read just now.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"host_rss_bytes": resident, "host_peak_rss_bytes": max(peak, resident)}

@@ -25,7 +25,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                     seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
                     attention_backend: str = "auto", sequence_parallel: bool = False,
-                    overlap_grad_reduce: bool = False, ddp_bucket_size: Optional[int] = None):
+                    overlap_grad_reduce: bool = False, ddp_bucket_size: Optional[int] = None,
+                    optimizer_overrides: Optional[dict] = None):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a Megatron-Core ``ChainedOptimizer``,
     :class:`~logra_megatron.optim.controlled.ControlledOptimizer`). The fresh weights are a
@@ -34,7 +35,9 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     attention (``--attention-backend``: auto, sdpa or unfused). ``sequence_parallel`` and
     ``overlap_grad_reduce`` are Megatron's (the latter covers LoGRA's sketches too:
     ``logra/sketch_overlap.py``); ``ddp_bucket_size`` is Megatron's ``--ddp-bucket-size`` (None:
-    its default). Under a virtual pipeline (process groups initialized with one)
+    its default). ``optimizer_overrides``: further ``OptimizerConfig`` fields (the benchmark's
+    baseline rows: precision-aware Adam, CPU offload); a bf16 ``main_grads_dtype`` makes DDP reduce
+    gradients in bf16. Under a virtual pipeline (process groups initialized with one)
     the model and its DDP wrapper are lists, one model chunk per virtual stage."""
     tp = tensor_parallel or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_parallel or parallel_state.get_pipeline_model_parallel_world_size()
@@ -47,8 +50,10 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
         spec = logra_layer_spec(attention_backend=attention_backend)
     else:
         spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend)
+    overrides = dict(optimizer_overrides or {})
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, bucket_size=ddp_bucket_size,
+        grad_reduce_in_fp32=overrides.get("main_grads_dtype", torch.float32) == torch.float32,
+        overlap_grad_reduce=overlap_grad_reduce, bucket_size=ddp_bucket_size,
         use_distributed_optimizer=settings.distributed)
     # One model chunk per virtual pipeline stage (Megatron's interleaved schedule, when the
     # process groups were initialized with one: parallel.initialize(virtual_pipeline=...)),
@@ -66,7 +71,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
         optimizer="adam", lr=settings.lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad, bf16=dtype == torch.bfloat16,
-        use_distributed_optimizer=settings.distributed)
+        use_distributed_optimizer=settings.distributed, **overrides)
     optimizer = build_optimizer(settings.kind, optimizer_config, ddp_models, logra_config)
     if overlap_grad_reduce:
         # As Megatron-LM's train() does; read after the optimizer is built, whose sketch reduction
