@@ -162,7 +162,8 @@ def run_child(args) -> dict:
         if not control["success"]:
             raise UserError(f"the {args.child} step was skipped (a non-finite gradient or forecast)")
         per_step.append({"refresh": refreshing, "seconds": dict(timer.seconds),
-                         "cpu_seconds": dict(timer.cpu_seconds)})
+                         "cpu_seconds": dict(timer.cpu_seconds), "step_scale": control["step_scale"],
+                         "kl_pred": control["kl_pred"], "kl_forecasts": controller.forecasts})
     wall, cpu = summarize(per_step, "seconds"), summarize(per_step, "cpu_seconds")
     return {**wall, "cpu": cpu, "timed_steps": len(per_step),
             "refresh_steps": sum(entry["refresh"] for entry in per_step), "final_loss": loss, "steps": per_step}

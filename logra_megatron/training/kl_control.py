@@ -266,6 +266,9 @@ class PredictedKLController:
         """probe mode: the scale the last committed step settled on; the next step's first forecast
         is made there (a warm start: the proposed steps' size changes slowly from step to step)
         and accepted when it lands in the band (:meth:`in_band`). None: start at ``s = 1``."""
+        self.forecasts = 0
+        """Forecasts (forward passes of the probe set at some ``s``) the last step made: the first
+        and the refinements, not the realized KL's (read by tools/benchmark_step_phases.py)."""
         self.growth_exponent = 2.0
         """probe mode: how KL grew with the step size at the last two forecasts that measured it
         (2 near zero, towards 1 for large steps). The first rescale of the next step uses it: the
@@ -470,6 +473,7 @@ class PredictedKLController:
         previous_scale, previous_kl = start_scale, start_kl
         for _ in range(config.max_refinements):
             kl = self.kl(model, optimizer, probe, scale, base)
+            self.forecasts += 1
             if kl > 0 and previous_kl > 0 and previous_scale != scale and previous_kl != kl:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
                 self.growth_exponent = min(2.0, max(1.0, exponent))
@@ -512,10 +516,12 @@ class PredictedKLController:
                     "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
         start = time.perf_counter()
         kl_pred, scale, base = None, 1.0, None
+        self.forecasts = 0
         max_scale = self.max_scale(optimizer)
         if config.mode == "linear":
             with phase("kl_forecast"):
                 unit = self.linear_kl(model, optimizer, probe)
+                self.forecasts = 1
             scale = self._scale_for(unit, max_scale) if math.isfinite(unit) else 0.0
             kl_pred = scale**2 * unit
         elif config.mode == "probe":
@@ -525,6 +531,7 @@ class PredictedKLController:
                 base = self.base_logits(model, optimizer, probe, step_logits)
                 scale = 1.0 if self.settled_scale is None else min(self.settled_scale, max_scale)
                 kl_pred = self.kl(model, optimizer, probe, scale, base)
+                self.forecasts = 1
                 if math.isfinite(kl_pred):
                     first = scale
                     scale = self._scale_for(kl_pred, max_scale, at=first)
