@@ -133,17 +133,23 @@ def run_child(args) -> dict:
     mode = args.kl_control if args.child == "logra" else "off"
     controller = PredictedKLController(KLControlConfig(
         mode=mode, realized_interval=args.kl_realized_interval if args.child == "logra" else 0))
-    rows = tokens[:min(args.kl_probe_sequences, len(tokens))]
-    probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=args.micro_batch_size)
+    # The probe: the first rows of the batch as the step's forward sees them (its inputs,
+    # tokens[:, :-1]), every position counted; as in the trainer, that forward keeps their s = 0
+    # logits for the controller.
+    count = min(args.kl_probe_sequences, len(tokens))
+    rows = tokens[:count, :-1]
+    probe = ProbeSet(rows, torch.ones_like(rows, dtype=torch.float), micro_batch_size=args.micro_batch_size,
+                     rows=torch.arange(count, device=device))
 
     def step():
         with phase("zero_grad"):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
+        keep = controller.step_logits(probe)
         with phase("forward_backward"):
-            loss = lm_forward_backward(ddp, tokens, args.micro_batch_size)
+            loss = lm_forward_backward(ddp, tokens, args.micro_batch_size, keep_logits=keep)
         with phase("optimizer_step"):
-            control = controller.step(ddp, optimizer, probe)
+            control = controller.step(ddp, optimizer, probe, step_logits=keep)
         return loss, control
 
     refresh = getattr(optimizer, "is_refresh_step", lambda: False)
@@ -156,7 +162,8 @@ def run_child(args) -> dict:
         if not control["success"]:
             raise UserError(f"the {args.child} step was skipped (a non-finite gradient or forecast)")
         per_step.append({"refresh": refreshing, "seconds": dict(timer.seconds),
-                         "cpu_seconds": dict(timer.cpu_seconds)})
+                         "cpu_seconds": dict(timer.cpu_seconds), "step_scale": control["step_scale"],
+                         "kl_pred": control["kl_pred"], "kl_forecasts": controller.forecasts})
     wall, cpu = summarize(per_step, "seconds"), summarize(per_step, "cpu_seconds")
     return {**wall, "cpu": cpu, "timed_steps": len(per_step),
             "refresh_steps": sum(entry["refresh"] for entry in per_step), "final_loss": loss, "steps": per_step}

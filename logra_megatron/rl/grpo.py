@@ -50,6 +50,7 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict, device
     for start in range(0, rows, micro_batch_size):
         part = slice(start, start + micro_batch_size)
         yield {
+            "rows": torch.arange(start, min(start + micro_batch_size, rows), device=device),
             "tokens": rollouts.tokens[part].to(device),
             "attention_mask": rollouts.attention_mask[part].to(device),
             "position_ids": rollouts.position_ids[part].to(device),
@@ -171,11 +172,12 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
                          loss_config: PolicyLossConfig, ref_logprobs: Optional[torch.Tensor] = None,
                          temperature: float = 1.0, vocab_size: Optional[int] = None,
                          engine_logprobs: Optional[torch.Tensor] = None, pack: bool = False,
-                         max_tokens: int = 0) -> dict:
+                         max_tokens: int = 0, keep_logits=None) -> dict:
     """Forward + backward of the GRPO loss over microbatches. Returns metrics averaged over the
     batch (agreed on every rank): loss, pg_loss, clip_fraction, dual_clip_fraction, ratio_mean,
     ratio_max, entropy, kl (if on), tis_weight_mean (with ``--tis-cap`` and ``engine_logprobs``,
-    the rollout engine's log-probs laid out like ``old_logprobs``)."""
+    the rollout engine's log-probs laid out like ``old_logprobs``). ``keep_logits`` (the KL
+    controller's ``StepLogits``) is shown each microbatch's rows and logits on the last stage."""
     device = model_device(model)
     response_tokens = rollouts.response_mask[:, 1:].to(device).float().sum().clamp(min=1)
     # Megatron's DDP (and LoGRA's sketch reduction) average gradients over data-parallel
@@ -189,6 +191,8 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
 
     def loss_func_for(batch, num_microbatches):
         def loss_func(logits):
+            if keep_logits is not None:
+                keep_logits(batch["rows"], logits, batch.get("packed"))
             _, mask = _targets(batch)
             logprob, entropy = _token_logprobs(logits, batch, temperature)
             loss, metrics = policy_loss(
@@ -245,10 +249,10 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
     mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
     micro_batch_size = max(1, min(micro_batch_size, len(rows)))
     tokens, attention_mask = rollouts.tokens[rows], rollouts.attention_mask[rows]
-    packed = None
+    packed = packed_rows = None
     if pack:
         budget = max_tokens or default_token_budget(micro_batch_size, tokens.shape[1])
-        packed = []
+        packed, packed_rows = [], []
         for part in token_bins(attention_mask.sum(dim=1).tolist(), budget):
             index = torch.tensor(part, dtype=torch.long, device=tokens.device)
             rows_packed = pack_rows(tokens[index], attention_mask[index])
@@ -256,9 +260,10 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
             real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
             part_mask[0, :rows_packed.real_tokens] = real
             packed.append((rows_packed, part_mask))
+            packed_rows.append(index)
     return ProbeSet(tokens=tokens, mask=mask, attention_mask=attention_mask,
                     position_ids=rollouts.position_ids[rows], vocab_size=vocab_size,
-                    micro_batch_size=micro_batch_size, packed=packed)
+                    micro_batch_size=micro_batch_size, packed=packed, packed_rows=packed_rows, rows=rows)
 
 
 def probe_and_held_out(rollouts: Rollouts, count: int, micro_batch_size: int, vocab_size: Optional[int],

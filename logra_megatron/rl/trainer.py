@@ -382,17 +382,19 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
     micro = min(config.run.micro_batch_size, rollouts.num_sequences)
     ddp.zero_grad_buffer()
     run.optimizer.zero_grad()
+    # The KL probe: completions spread over the minibatch's prompts, and rows it does not see for
+    # the realized KL out of sample. They are rows of this minibatch, so the loss's forward keeps
+    # their s = 0 logits for the controller (no forward pass of the probe recomputes them).
+    probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab,
+                                         **packing_options(config))
+    step_logits = run.controller.step_logits(probe, held_out)
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=config.sampling.temperature,
                                         vocab_size=run.vocab, engine_logprobs=engine_logprobs,
-                                        **packing_options(config))
+                                        keep_logits=step_logits, **packing_options(config))
     loss_metrics["loss"] = nan_point("rl:loss", loss_metrics["loss"])  # (fault-injection tests only)
     if math.isfinite(loss_metrics["loss"]):  # (agreed on every rank)
-        # The KL probe: completions spread over the minibatch's prompts, and rows it does not
-        # see for the realized KL out of sample.
-        probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab,
-                                             **packing_options(config))
-        control = run.controller.step(ddp, run.optimizer, probe, held_out)
+        control = run.controller.step(ddp, run.optimizer, probe, held_out, step_logits)
     else:  # a non-finite loss: no step (the gradients are cleared before the next backward)
         control = dict(SKIPPED_STEP)
     # The optimizer's own view of the step's gradient norms (LoGRA: with the estimate outside

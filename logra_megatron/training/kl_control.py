@@ -11,11 +11,14 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    thin matmuls inside each sketching layer; the small dense remainder set in place from its
    fp32 masters), and the probe rows go through the model one microbatch at a time (packed
    into token-budget sequences as the GRPO passes are: ``ProbeSet.packed``).
-   - ``probe``: the exact KL at ``W + D``. The ``s = 0`` logits are computed once per step
-     (:meth:`PredictedKLController.base_logits`: the probe's masked positions only, in the
-     logits' dtype) and reused by the forecast, every refinement and the realized KL when it
-     runs on the probe: a step is ``1 + 1 + refinements`` forward passes of the probe set, where
-     recomputing them cost ``2 (1 + refinements)``;
+   - ``probe``: the exact KL at ``W + s D``. The ``s = 0`` logits are never recomputed by a
+     forecast: the trainer's policy-loss forward keeps them for the probe's rows, which are rows
+     of its batch (:class:`StepLogits`, :meth:`PredictedKLController.step_logits`); without
+     that they are computed once per step (:meth:`PredictedKLController.base_logits`). Kept at
+     the probe's masked positions only, in the logits' dtype, and reused by the forecast, every
+     refinement and the realized KL when it runs on the probe: a step is ``1 + refinements``
+     forward passes of the probe set (``2 + refinements`` computing ``s = 0`` itself, where
+     recomputing it at every forecast cost ``2 (1 + refinements)``);
    - ``linear``: ``0.5 Var_p(dz)`` per token, ``dz`` the change of the logits along ``D``
      (a forward difference at ``eps D`` divided by ``eps``; a secant at ``D`` when the model
      computes in bf16, where a small difference would round away). KL is then ``s^2`` times it.
@@ -31,6 +34,11 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    more than ``tolerance`` (at most ``max_refinements`` extra forecasts). The exponent measured
    last carries to the next step's first rescale (``s = (kl_target / KL_pred)^(1/e)``), which
    saves a re-forecast whenever the regime holds (``growth_exponent``, checkpointed).
+   Warm start (``probe``): a step's first forecast is at the scale the last step settled on
+   (``settled_scale``, checkpointed; ``s = 1`` at the first step), and a forecast there within
+   ``tolerance`` of the budget on either side is accepted as it is (:meth:`in_band`): one
+   forecast, where starting at ``s = 1`` took two or three once steps need scaling down.
+   ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``).
    With ``--kl-subtract-mismatch`` the target is a budget: ``kl_target`` minus an EMA of the
    KL between the rollout engine's sampling distribution and the trainer's (observed on the
    batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
@@ -46,8 +54,9 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
 
 Extra memory: what ``optimizer.extra_bytes()`` reports (LoGRA: fp32 copies of the dense
 remainder before and after its step; dense Adam: of all its masters), in ``probe`` mode the
-cached ``s = 0`` logits of the probe's masked tokens (``masked tokens x V/tp x`` the logits'
-bytes, on the last pipeline stage), the logits of one probe microbatch at two scales, and the
+kept ``s = 0`` logits of the probe's masked tokens, and of the held-out rows' on a step that
+measures the realized KL on them (``masked tokens x V/tp x`` the logits' bytes, on the last
+pipeline stage), the logits of one probe microbatch at two scales, and the
 full-vocabulary reductions' temporaries, taken over token chunks (``ops/budgets.py:
 KL_CHUNK_ELEMENTS``): three chunk-sized copies.
 """
@@ -111,6 +120,12 @@ class ProbeSet:
     micro_batch_size: int = 1
     packed: Optional[list] = None
     """``[(PackedRows, mask [1, t])]``: the parts as packed sequences (``rl/grpo.py: probe_set``)."""
+    packed_rows: Optional[list] = None
+    """``[rows [k]]`` per packed part: the probe rows (indices into ``tokens``) it packs, in order."""
+    rows: Optional[torch.Tensor] = None
+    """``[n]``: the probe's rows in the batch the step's forward saw (row ``i`` of the probe is
+    row ``rows[i]`` there, with the same columns), so that forward can keep their ``s = 0``
+    logits (:class:`StepLogits`); None: the probe is not a part of it."""
 
     def parts(self):
         if self.packed is not None:
@@ -122,6 +137,12 @@ class ProbeSet:
         """The mask of ``part`` in the layout of its logits."""
         return self.mask[part] if self.packed is None else self.packed[part][1]
 
+    def part_rows(self, part) -> torch.Tensor:
+        """The probe rows (indices into ``tokens``) of ``part``, in the order its logits hold them."""
+        if self.packed is not None:
+            return self.packed_rows[part]
+        return torch.arange(self.tokens.shape[0], device=self.mask.device)[part]
+
     def logits(self, model, part):
         """Vocab-parallel logits of ``part`` on the last stage (None elsewhere): ``[rows, s, V/tp]``,
         or ``[1, t, V/tp]`` for a packed part."""
@@ -131,6 +152,99 @@ class ProbeSet:
         return forward_logits(model, self.tokens[part], attention_mask=self.attention_mask[part] if padded else None,
                               position_ids=self.position_ids[part] if padded else None,
                               vocab_size=self.vocab_size)
+
+
+class StepLogits:
+    """The ``s = 0`` logits of some batch rows, kept from the step's own forward (the policy loss's
+    forward pass, at ``W``) instead of recomputed by a forward pass of the probe: the probe rows
+    (and, on a step that measures the realized KL, the held-out rows) are rows of that batch.
+
+    The forward's loss function calls it on the last stage with each microbatch's batch rows and
+    vocab-parallel logits (``rl/grpo.py: policy_loss_backward``, ``training/lm.py:
+    lm_forward_backward``, their ``keep_logits``); it keeps, per wanted row, the logits at the
+    positions its probe's mask counts, in column order, in the logits' dtype (what
+    :meth:`PredictedKLController.base_logits` keeps). Both layouts flatten a row's positions in
+    column order (padded: column ``t`` of row ``i``; packed: the row's real tokens end to end,
+    ``PackedRows.slots`` their columns), so :meth:`base` re-assembles them into the probe's own
+    parts, padded or packed, whatever parts the step's forward cut.
+
+    The values are those a forward pass of the probe computes, up to floating-point rounding where
+    the two passes group the rows differently (other microbatches, other packing: the matmuls see
+    other shapes); bitwise where the groups are the same (``tests/test_step_logits.py``)."""
+
+    def __init__(self, probes):
+        self.wanted = {}
+        """batch row -> the columns that count ([S] bool, on the mask's device)."""
+        for probe in probes:
+            if probe is None:
+                continue
+            if probe.rows is None:
+                raise ValueError("a probe kept from the step's forward needs its batch rows (ProbeSet.rows)")
+            for index, row in enumerate(probe.rows.tolist()):
+                self.wanted[row] = probe.mask[index] != 0
+        self.kept = {}
+        """batch row -> ``[counted columns, V/tp]`` logits (last stage only)."""
+
+    @torch.no_grad()
+    def __call__(self, rows: torch.Tensor, logits: torch.Tensor, packed=None) -> None:
+        """Keep what is wanted of one microbatch: ``rows`` ``[b]`` its batch rows, ``logits`` its
+        vocab-parallel logits, ``[b, S, V/tp]`` (column ``t`` of row ``rows[i]`` at ``[i, t]``) or,
+        with ``packed`` (``PackedRows``), ``[1, t, V/tp]``."""
+        logits = logits.detach()
+        for local, row in enumerate(rows.tolist()):
+            counts = self.wanted.get(row)
+            if counts is None:
+                continue
+            counts = counts.to(logits.device)
+            if packed is None:
+                values, columns = logits[local], torch.arange(logits.shape[1], device=logits.device)
+            else:
+                positions = torch.nonzero(packed.rows.to(logits.device) == local).reshape(-1)
+                values, columns = logits[0, positions], packed.slots.to(logits.device)[positions]
+            inside = columns < counts.numel()
+            values, columns = values[inside], columns[inside]
+            keep = counts[columns]
+            if int(keep.sum()) != int(counts.sum()):
+                raise ValueError(f"the step's forward holds {int(keep.sum())} of row {row}'s {int(counts.sum())} "
+                                 "counted positions: the probe's columns are not those of the step's batch")
+            order = torch.argsort(columns[keep])  # column order (a packed row's tokens already are)
+            self.kept[row] = values[keep][order]
+
+    def base(self, probe: ProbeSet) -> list:
+        """``probe``'s ``s = 0`` logits as :meth:`PredictedKLController.base_logits` returns them
+        (per part: the counted positions' logits, the part's mask positions, its logits' shape),
+        taken out of this store (a row serves once); None per part off the last stage."""
+        if not parallel.is_last_stage():
+            return [None] * len(probe.parts())
+        counts = probe.mask != 0
+        rank = counts.long().cumsum(dim=1) - 1  # a counted column's place among its row's
+        batch_rows = probe.rows.tolist()
+        cached = []
+        for part in probe.parts():
+            members = probe.part_rows(part).tolist()
+            missing = [batch_rows[i] for i in members if batch_rows[i] not in self.kept]
+            if missing:
+                raise ValueError(f"the step's forward kept no logits of batch rows {missing}")
+            stored = [self.kept.pop(batch_rows[i]) for i in members]
+            part_mask = probe.part_mask(part)
+            keep = (part_mask != 0).reshape(-1)
+            if probe.packed is None:
+                shape = (len(members), part_mask.shape[1], stored[0].shape[-1])
+                positions = torch.nonzero(keep).reshape(-1)
+                local, columns = positions // part_mask.shape[1], positions % part_mask.shape[1]
+            else:
+                packed_rows = probe.packed[part][0]
+                shape = (1, part_mask.shape[1], stored[0].shape[-1])
+                positions = torch.nonzero(keep).reshape(-1)
+                local = packed_rows.rows.to(positions.device)[positions]
+                columns = packed_rows.slots.to(positions.device)[positions]
+            offsets = torch.tensor([0] + [len(values) for values in stored], device=positions.device).cumsum(0)
+            members_t = torch.tensor(members, device=positions.device)
+            index = offsets[local] + rank.to(positions.device)[members_t[local], columns]
+            values = torch.cat(stored) if len(stored) > 1 else stored[0]
+            cached.append((values[index.to(values.device)], keep.to(values.device), shape))
+            del stored, values
+        return cached
 
 
 class PredictedKLController:
@@ -148,6 +262,13 @@ class PredictedKLController:
         """Controlled steps taken (it decides the steps that measure the realized KL)."""
         self.mismatch: Optional[float] = None
         """EMA of the observed engine-vs-trainer KL (``--kl-subtract-mismatch``; None: none seen)."""
+        self.settled_scale: Optional[float] = None
+        """probe mode: the scale the last committed step settled on; the next step's first forecast
+        is made there (a warm start: the proposed steps' size changes slowly from step to step)
+        and accepted when it lands in the band (:meth:`in_band`). None: start at ``s = 1``."""
+        self.forecasts = 0
+        """Forecasts (forward passes of the probe set at some ``s``) the last step made: the first
+        and the refinements, not the realized KL's (read by tools/benchmark_step_phases.py)."""
         self.growth_exponent = 2.0
         """probe mode: how KL grew with the step size at the last two forecasts that measured it
         (2 near zero, towards 1 for large steps). The first rescale of the next step uses it: the
@@ -165,7 +286,7 @@ class PredictedKLController:
         steps measure the realized KL, the mismatch's EMA and the budget's schedule (the
         iteration is the trainer's step, saved beside it)."""
         return {"steps": self.steps, "mismatch": self.mismatch, "schedule": self.schedule(),
-                "growth_exponent": self.growth_exponent}
+                "growth_exponent": self.growth_exponent, "settled_scale": self.settled_scale}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint's counters. A scheduled budget continues exactly only with the
@@ -181,6 +302,8 @@ class PredictedKLController:
         mismatch = state.get("mismatch")
         self.mismatch = None if mismatch is None else float(mismatch)
         self.growth_exponent = float(state.get("growth_exponent", 2.0))  # absent in older checkpoints
+        settled = state.get("settled_scale")  # (also absent in older ones: the next step starts at s = 1)
+        self.settled_scale = None if settled is None else float(settled)
 
     def set_iteration(self, iteration: int) -> None:
         """The RL iteration (0-based) whose optimizer steps come next: it places the budget on
@@ -213,8 +336,24 @@ class PredictedKLController:
 
     # --- forecasts (public for tests and the demo) ------------------------------------------------
 
+    def step_logits(self, probe: ProbeSet, held_out: Optional[ProbeSet] = None) -> Optional[StepLogits]:
+        """What the next :meth:`step` wants kept from the step's own forward (pass it to that
+        forward as ``keep_logits``, then to :meth:`step`): the probe's rows in ``probe`` mode, the
+        held-out rows when that step measures the realized KL on them; None when it wants nothing."""
+        wanted = [probe] if self.config.mode == "probe" else []
+        if held_out is not None and self._measures_realized(self.steps):
+            wanted.append(held_out)
+        elif self.config.mode != "probe" and self._measures_realized(self.steps):
+            wanted.append(probe)
+        return StepLogits(wanted) if wanted else None
+
+    def _measures_realized(self, step: int) -> bool:
+        interval = self.config.realized_interval
+        return interval > 0 and step % interval == 0
+
     @torch.no_grad()
-    def base_logits(self, model, optimizer: TrainingOptimizer, probe: ProbeSet) -> list:
+    def base_logits(self, model, optimizer: TrainingOptimizer, probe: ProbeSet,
+                    step_logits: Optional[StepLogits] = None) -> list:
         """The unchanged policy's (``s = 0``) logits of every probe part, computed once for a
         proposed ``D`` and reused by every forecast of the step (:meth:`kl` with ``base``): one
         forward pass of the probe set instead of one per forecast.
@@ -223,7 +362,10 @@ class PredictedKLController:
         log-probs, and the KL computed from them is bitwise today's), and only at the positions
         the probe's mask counts (the response tokens; the prompt's are dropped): ``[kept, V/tp]``
         per part, with the mask's positions to put them back. Last stage only (None elsewhere).
-        Leaves the optimizer previewing ``W``."""
+        Leaves the optimizer previewing ``W``. With ``step_logits`` (kept from the step's own
+        forward) no forward pass at all: the logits are taken from there."""
+        if step_logits is not None:
+            return step_logits.base(probe)
         optimizer.preview(0.0)
         cached = []
         for part in probe.parts():
@@ -292,15 +434,6 @@ class PredictedKLController:
         count = float(probe.mask.sum().clamp(min=1))
         return parallel.agree_on_scalar(total / count)
 
-    def forecast(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float = 1.0,
-                 linear_unit: Optional[float] = None, base: Optional[list] = None) -> float:
-        """KL_pred of ``scale * D`` in the configured mode (``linear_unit``: a linear forecast of
-        the full step already computed; ``base``: the probe's cached ``s = 0`` logits)."""
-        if self.config.mode == "linear":
-            unit = self.linear_kl(model, optimizer, probe) if linear_unit is None else linear_unit
-            return scale**2 * unit
-        return self.kl(model, optimizer, probe, scale, base)
-
     def max_scale(self, optimizer) -> float:
         """``--kl-max-scale``, or when it is not given the optimizer's own cap (an optional
         attribute, ``kl_max_scale``: LoGRA's update rule decides it), or 1."""
@@ -308,48 +441,69 @@ class PredictedKLController:
             return self.config.max_scale
         return float(getattr(optimizer, "kl_max_scale", 1.0))
 
-    def _scale_for(self, kl: float, max_scale: Optional[float] = None) -> float:
-        """The scale of ``D`` whose KL meets the budget, from the forecast ``kl`` of ``D``: KL grows
-        as ``s^2`` (``linear`` mode, by construction), or as ``s^e`` with the growth exponent
+    def _scale_for(self, kl: float, max_scale: Optional[float] = None, at: float = 1.0) -> float:
+        """The scale of ``D`` whose KL meets the budget, from the forecast ``kl`` at ``at * D``: KL
+        grows as ``s^2`` (``linear`` mode, by construction), or as ``s^e`` with the growth exponent
         measured last (``probe`` mode)."""
         if max_scale is None:
             max_scale = self.max_scale(None)
         if kl <= 0:
             return max_scale
         exponent = self.growth_exponent if self.config.mode == "probe" else 2.0
-        return min(max_scale, (self.budget() / kl) ** (1.0 / exponent))
+        return min(max_scale, at * (self.budget() / kl) ** (1.0 / exponent))
 
-    def _refine(self, model, optimizer, probe, scale: float, kl_full: float, base: Optional[list] = None) -> float:
-        """Re-forecast at the scaled step until it is within ``tolerance`` of the target. The
-        local growth exponent of KL in the step size (2 near zero, towards 1 for large steps)
-        is estimated from the last two forecasts, in log space, and used for the next scale."""
+    def in_band(self, kl: float, scale: float, max_scale: float) -> bool:
+        """Whether a step's first forecast ``kl`` at ``scale`` is accepted without another: within
+        ``tolerance`` of the budget on either side (``budget / tolerance <= kl <= tolerance *
+        budget``), or below it at the largest scale allowed (the step cannot grow)."""
+        budget, tolerance = self.budget(), self.config.tolerance
+        if kl > tolerance * budget:
+            return False
+        return kl >= budget / tolerance or scale >= max_scale
+
+    def _refine(self, model, optimizer, probe, scale: float, start_scale: float, start_kl: float,
+                base: Optional[list] = None, max_scale: float = 1.0) -> tuple:
+        """Re-forecast at the scaled step until it is within ``tolerance`` of the target (at most
+        ``max_refinements`` times), starting from the forecast ``start_kl`` at ``start_scale``. The
+        local growth exponent of KL in the step size (2 near zero, towards 1 for large steps) is
+        estimated from the last two forecasts, in log space, and used for the next scale. Returns
+        the scale and its forecast (extrapolated with the growth exponent from the last forecast
+        when the refinements ran out)."""
         config, budget = self.config, self.budget()
-        previous_scale, previous_kl = 1.0, kl_full
+        previous_scale, previous_kl = start_scale, start_kl
         for _ in range(config.max_refinements):
             kl = self.kl(model, optimizer, probe, scale, base)
+            self.forecasts += 1
             if kl > 0 and previous_kl > 0 and previous_scale != scale and previous_kl != kl:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
                 self.growth_exponent = min(2.0, max(1.0, exponent))
             if kl <= config.tolerance * budget:
-                return scale
+                return scale, kl
             previous_scale, previous_kl = scale, kl
-            scale *= (budget / kl) ** (1.0 / self.growth_exponent)
-        return scale
+            scale = min(max_scale, scale * (budget / kl) ** (1.0 / self.growth_exponent))
+        return scale, self._grown(previous_kl, previous_scale, scale)
+
+    def _grown(self, kl: float, at: float, scale: float) -> float:
+        """The forecast ``kl`` at ``at * D`` carried to ``scale * D`` along the growth exponent."""
+        return kl * (scale / at) ** self.growth_exponent
 
     # --- the controlled step --------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, model, optimizer: TrainingOptimizer, probe: ProbeSet,
-             held_out: Optional[ProbeSet] = None) -> dict:
+             held_out: Optional[ProbeSet] = None, step_logits: Optional[StepLogits] = None) -> dict:
         """One optimizer step under control. ``model`` is the (DDP) model the optimizer trains;
         ``probe`` comes from this rank's batch; ``held_out`` (optional) are rows of the batch
-        the probe did not see, for the realized KL.
+        the probe did not see, for the realized KL; ``step_logits``: what the step's forward
+        kept for this step (:meth:`step_logits`), so no forward pass recomputes the ``s = 0``
+        logits of those rows.
 
         Returns ``success, grad_norm, kl_pred, step_scale, kl_realized, controller_time_s,
-        controller_extra_bytes``.
+        controller_extra_bytes``; ``kl_pred`` is the forecast KL of the step as committed
+        (``step_scale`` times the proposed update).
         """
         config = self.config
-        measure_realized = config.realized_interval > 0 and self.steps % config.realized_interval == 0
+        measure_realized = self._measures_realized(self.steps)
         self.steps += 1
         if config.mode == "off" and not measure_realized:
             success, grad_norm, _ = optimizer.step()
@@ -362,33 +516,55 @@ class PredictedKLController:
                     "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
         start = time.perf_counter()
         kl_pred, scale, base = None, 1.0, None
-        if config.mode != "off":
+        self.forecasts = 0
+        max_scale = self.max_scale(optimizer)
+        if config.mode == "linear":
             with phase("kl_forecast"):
-                # probe mode: the s = 0 logits once, for the forecast and every refinement.
-                base = self.base_logits(model, optimizer, probe) if config.mode == "probe" else None
-                linear_unit = self.linear_kl(model, optimizer, probe) if config.mode == "linear" else None
-                kl_pred = self.forecast(model, optimizer, probe, 1.0, linear_unit, base)
-            if not math.isfinite(kl_pred):
-                # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
-                optimizer.discard()
-                return {"success": False, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": 0.0,
-                        "kl_realized": None, "controller_time_s": time.perf_counter() - start,
-                        "controller_extra_bytes": 0}
-            scale = self._scale_for(kl_pred, self.max_scale(optimizer))
-            if config.mode == "probe" and scale != 1.0:
-                with phase("kl_forecast"):
-                    scale = self._refine(model, optimizer, probe, scale, kl_pred, base)
+                unit = self.linear_kl(model, optimizer, probe)
+                self.forecasts = 1
+            scale = self._scale_for(unit, max_scale) if math.isfinite(unit) else 0.0
+            kl_pred = scale**2 * unit
+        elif config.mode == "probe":
+            with phase("kl_forecast"):
+                # The s = 0 logits once (kept from the step's forward when it was asked to), then
+                # the first forecast where the last step settled (s = 1 at the first step).
+                base = self.base_logits(model, optimizer, probe, step_logits)
+                scale = 1.0 if self.settled_scale is None else min(self.settled_scale, max_scale)
+                kl_pred = self.kl(model, optimizer, probe, scale, base)
+                self.forecasts = 1
+                if math.isfinite(kl_pred):
+                    first = scale
+                    scale = self._scale_for(kl_pred, max_scale, at=first)
+                    if self.in_band(kl_pred, first, max_scale):
+                        # Accepted without a second forecast, re-centred on the budget along the
+                        # growth exponent (a correction of at most a tolerance's root): a regime
+                        # that drifts slowly does not walk the next warm start out of the band.
+                        kl_pred = self._grown(kl_pred, first, scale) if kl_pred > 0 else kl_pred
+                    else:
+                        scale, kl_pred = self._refine(model, optimizer, probe, scale, first, kl_pred, base,
+                                                      max_scale)
+        if kl_pred is not None and not math.isfinite(kl_pred):
+            # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
+            optimizer.discard()
+            return {"success": False, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": 0.0,
+                    "kl_realized": None, "controller_time_s": time.perf_counter() - start,
+                    "controller_extra_bytes": 0}
         kl_realized = None
         if measure_realized:
             with phase("kl_realized"):
                 if held_out is not None:
-                    kl_realized = self.kl(model, optimizer, held_out, scale)
-                else:  # on the probe itself: its cached s = 0 logits serve again
+                    held_base = step_logits.base(held_out) if step_logits is not None else None
+                    kl_realized = self.kl(model, optimizer, held_out, scale, held_base)
+                else:  # on the probe itself: its s = 0 logits serve again
+                    if base is None and step_logits is not None:
+                        base = step_logits.base(probe)
                     kl_realized = self.kl(model, optimizer, probe, scale, base)
         del base
         extra = optimizer.extra_bytes()
         overhead = time.perf_counter() - start
         optimizer.commit(scale)
+        if config.mode == "probe":
+            self.settled_scale = scale
         return {"success": success, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": scale,
                 "kl_realized": kl_realized, "controller_time_s": overhead, "controller_extra_bytes": extra}
 

@@ -29,13 +29,15 @@ def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
                         forward_only: bool = False, loss_mask: torch.Tensor = None,
-                        vocab_size: int = None) -> float:
+                        vocab_size: int = None, keep_logits=None) -> float:
     """Mean LM loss of ``tokens`` ([batch, seq], the same on every rank of a DP replica).
 
     Inputs are ``tokens[:, :-1]``, labels ``tokens[:, 1:]``. With ``vocab_size``, Megatron's
     vocabulary padding is excluded from the softmax, so the loss does not depend on the TP size. With ``forward_only=False`` the
     gradients (mean over microbatches) are accumulated into the model. Returns the loss on every
     rank (computed on the last stage, broadcast over the pipeline, averaged over DP).
+    ``keep_logits`` (the KL controller's ``StepLogits``) is shown each microbatch's rows and
+    logits (of ``tokens[:, :-1]``) on the last stage; the loss is then taken outside the model.
     """
     batch, length = tokens.shape
     if batch % micro_batch_size != 0:
@@ -52,19 +54,22 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     mask = causal_attention_mask(length - 1, device=device)
     microbatches = [
         (inputs[i : i + micro_batch_size], labels[i : i + micro_batch_size],
-         loss_mask[i : i + micro_batch_size])
+         loss_mask[i : i + micro_batch_size], i)
         for i in range(0, batch, micro_batch_size)
     ]
 
     def forward_step(data_iterator, model):
-        mb_inputs, mb_labels, mb_mask = next(data_iterator)
-        if vocab_size is None:
+        mb_inputs, mb_labels, mb_mask, first = next(data_iterator)
+        if vocab_size is None and keep_logits is None:
             output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
             return output, lambda out: _lm_loss(mb_mask, out)
         logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
         if not unwrap_model(model).post_process:  # not the model's last chunk: hidden states
             return logits, lambda out: _lm_loss(mb_mask, out)  # only the last stage calls it
-        per_token = vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), vocab_size), mb_labels)
+        logits = mask_padded_vocab(logits, vocab_size)
+        if keep_logits is not None:
+            keep_logits(torch.arange(first, first + len(mb_inputs), device=device), logits)
+        per_token = vocab_parallel_cross_entropy(logits.float(), mb_labels)
         return per_token, lambda out: _lm_loss(mb_mask, out)
 
     losses = get_forward_backward_func()(
