@@ -19,7 +19,7 @@ from logra_megatron.models import get_preset
 from logra_megatron.optim.controlled import ControlledOptimizer
 from logra_megatron.training import config as training_config
 from logra_megatron.training.lm import lm_forward_backward
-from logra_megatron.training.optimizer import OPTIMIZERS, STATE_BYTES_KEYS
+from logra_megatron.training.optimizer import STATE_BYTES_KEYS
 from logra_megatron.training.setup import build_trainable, train_step
 
 MODEL = get_preset("tiny")
@@ -32,8 +32,9 @@ def _build(kind, clip_grad=1.0):
     return build_trainable(MODEL, settings, LogRAConfig(rank=8))
 
 
-def test_registry_names_are_the_flag_choices():
-    assert set(OPTIMIZERS) == set(training_config.OPTIMIZERS)
+def test_the_registry_says_which_optimizers_step_from_sketches():
+    assert list(training_config.OPTIMIZERS) == ["adam", "logra"]
+    assert [training_config.OptimizerSettings(kind=kind).sketched for kind in ("adam", "logra")] == [False, True]
 
 
 @pytest.mark.parametrize("kind", ["adam", "logra"])

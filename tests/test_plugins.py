@@ -73,6 +73,8 @@ def test_an_outside_task_reward_and_update_rule_train_by_flag_only(tmp_path):
     ("--logra-update", "adamm", "unknown update rule 'adamm' (--logra-update); did you mean adam"),
     ("--logra-update-options", '{"scale": 1, "nope": 2}', "has no option nope (its options: scale)"),
     ("--logra-update-options", "[1]", "must be a JSON object"),
+    ("--optimizer", "adamw", "unknown optimizer 'adamw' (--optimizer); did you mean adam"),
+    ("--optimizer", "sgd_optimizer:MOMENTUM", "MOMENTUM is not an optimizer"),
 ])
 def test_a_bad_plugin_is_one_error_line(flag, value, needle, monkeypatch, capsys):
     from logra_megatron.config import parse_train_args
@@ -91,6 +93,28 @@ def test_a_bad_plugin_is_one_error_line(flag, value, needle, monkeypatch, capsys
     else:
         raise AssertionError(f"{flag} {value} was accepted")
     assert "\n" not in message and message.startswith("error:") and needle in message, message
+
+
+def test_an_outside_optimizer_trains_by_flag_only(tmp_path):
+    """Megatron's SGD from tests/plugins/sgd_optimizer.py, named by --optimizer alone: built once,
+    stepped every iteration, and the run's summary names it."""
+    log = tmp_path / "sgd.jsonl"
+    proc = train(["--optimizer", "sgd_optimizer:build_sgd", *TINY, "--output-dir", str(tmp_path / "out")],
+                 env=dict(ENV, SGD_OPTIMIZER_LOG=str(log)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [event for event in events if event["event"] == "build"] == [{"event": "build", "inner": ["SGD"]}]
+    assert sum(event["event"] == "step" for event in events) == 2
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["finished"] and summary["optimizer"] == "sgd_optimizer:build_sgd"
+
+
+def test_an_outside_optimizer_that_builds_the_wrong_thing_is_one_line():
+    proc = train(["--optimizer", "sgd_optimizer:not_an_optimizer", *TINY])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and lines, proc.stderr[-3000:]
+    assert lines[-1].startswith("error:") and "not a ControlledOptimizer" in lines[-1], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_bad_plugin_ends_the_trainer_with_one_line_and_exit_2():
@@ -112,8 +136,9 @@ def test_the_help_is_generated_from_the_registries():
         "from logra_megatron.logra.config import UPDATE_RULES\n"
         "from logra_megatron.rl.rewards import REWARDS\n"
         "from logra_megatron.rl.tasks import TASKS\n"
+        "from logra_megatron.training.config import OPTIMIZERS\n"
         "print(json.dumps({flag: list(registry.names(listed_only=True)) for flag, registry in "
-        "(('--task', TASKS), ('--reward', REWARDS), ('--logra-update', UPDATE_RULES))}))")],
+        "(('--task', TASKS), ('--reward', REWARDS), ('--logra-update', UPDATE_RULES), ('--optimizer', OPTIMIZERS))}))")],
         capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
     assert listed.returncode == 0, listed.stderr
     for flag, names in json.loads(listed.stdout).items():

@@ -46,7 +46,7 @@ COMPATIBILITY_FLAGS = {"optimizer": "--optimizer", "logra_rank": "--logra-rank",
 def optimizer_compatibility(config) -> dict:
     """The settings of ``config`` (a TrainConfig) that shape the optimizer's saved state."""
     settings = {"optimizer": config.optimizer.kind}
-    if config.optimizer.kind == "logra":
+    if config.optimizer.sketched:
         settings.update(logra_rank=config.logra.rank, logra_master=config.logra.master,
                         logra_embeddings=config.logra.embeddings, logra_update=config.logra.update)
         if isinstance(config.logra.rank, float):  # the cap shapes the state of a fractional rank only

@@ -443,7 +443,7 @@ class TrainConfig:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, seed=seed))
         if self.task.seed != seed:
             object.__setattr__(self, "task", dataclasses.replace(self.task, seed=seed))
-        if self.rollout.policy_sync == "lowrank" and self.optimizer.kind != "logra":
+        if self.rollout.policy_sync == "lowrank" and not self.optimizer.sketched:
             raise UserError(f"--policy-sync lowrank sends LoGRA's low-rank steps: it needs --optimizer logra, "
                             f"got {self.optimizer.kind}")
         if self.logra.master == "bf16-sr" and not self.model.bf16:
@@ -585,7 +585,7 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
     if config.warmup.iters is None:  # the warm-up teaches a fresh preset the format; a checkpoint needs none
         config = dataclasses.replace(config, warmup=dataclasses.replace(
             config.warmup, iters=0 if load_dir is not None else DEFAULT_WARMUP_ITERS))
-    if config.optimizer.kind == "logra":
+    if config.optimizer.sketched:
         config.logra.check_model(model)
     world_size = _world_size() if world_size is None else world_size
     if world_size < 1:

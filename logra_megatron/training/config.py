@@ -6,10 +6,40 @@ from dataclasses import dataclass
 from typing import Optional
 
 from logra_megatron.errors import UserError
+from logra_megatron.registry import Registry
 from logra_megatron.schema import option
 
-OPTIMIZERS = ("adam", "logra")
-"""Names of the optimizer registry (training/optimizer.py) that ``--optimizer`` accepts."""
+
+
+def _is_optimizer_builder(obj) -> Optional[str]:
+    """Why ``obj`` is not an optimizer builder (training/optimizer.py: ``build_optimizer``), or None."""
+    if not callable(obj):
+        return ("an optimizer is a function builder(megatron_optimizer_config, model_chunks, logra_config) "
+                "returning a ControlledOptimizer (training/optimizer.py)")
+    return None
+
+
+OPTIMIZERS = Registry("optimizer", "--optimizer", accepts=_is_optimizer_builder)
+"""The optimizers ``--optimizer`` selects, by name, or outside code by ``package.module:attr``: a
+builder ``(megatron_optimizer_config, model_chunks, logra_config) -> ControlledOptimizer``
+(training/optimizer.py builds through it). Declared by path, so reading the flag imports no torch.
+``sketched=True``: the optimizer takes its gradients from LoGRA's sketches, so the model is built
+with the sketching layer spec and the run's LogRAConfig applies (an outside builder says so with a
+``sketches_gradients = True`` attribute)."""
+OPTIMIZERS.register("adam", "logra_megatron.training.optimizer:build_dense_adam", sketched=False,
+                    help="Megatron's dense Adam (the baseline)")
+OPTIMIZERS.register("logra", "logra_megatron.logra.optimizer:get_logra_optimizer", sketched=True,
+                    help="sketch-space Adam for the decoder's linear layers, Megatron's Adam for the rest")
+
+
+def sketches_gradients(kind: str) -> bool:
+    """Whether the optimizer ``kind`` names steps from LoGRA's gradient sketches (see
+    :data:`OPTIMIZERS`); an outside one is imported to read its ``sketches_gradients``."""
+    declared = OPTIMIZERS.declared(kind)
+    if declared is not None:
+        return bool(declared.info["sketched"])
+    return bool(getattr(OPTIMIZERS.get(kind), "sketches_gradients", False))
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 """Megatron's ``--lr-decay-style`` values, all computed by its ``OptimizerParamScheduler``."""
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -26,9 +56,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 class OptimizerSettings:
     """What both optimizers share (Megatron's ``OptimizerConfig`` fields and flag names)."""
 
-    kind: str = option("logra", flag="--optimizer", choices=OPTIMIZERS,
-                       help="adam: Megatron's dense Adam (the baseline); logra: sketch-space Adam for "
-                            "the decoder's linear layers, Megatron's Adam for the rest")
+    kind: str = option("logra", flag="--optimizer", parse=OPTIMIZERS.parse, help=OPTIMIZERS.help("the optimizer"))
     lr: float = option(3e-4, help="peak learning rate of the RL phase")
     # 0.0, not Megatron's 0.01: RL post-trains a pretrained policy, and decay would pull its weights
     # towards zero on every step whatever the reward says (and spend KL budget doing it).
@@ -44,9 +72,13 @@ class OptimizerSettings:
                                help="ZeRO-1: shard optimizer state over data parallel (Megatron's "
                                     "distributed optimizer; LoGRA reduce-scatters its sketches)")
 
+    @property
+    def sketched(self) -> bool:
+        """The optimizer steps from LoGRA's sketches (:func:`sketches_gradients`)."""
+        return sketches_gradients(self.kind)
+
     def __post_init__(self):
-        if self.kind not in OPTIMIZERS:
-            raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
+        OPTIMIZERS.check(self.kind)
         if self.lr < 0:
             raise UserError(f"--lr must be >= 0, got {self.lr}")
         if self.weight_decay < 0:

@@ -46,7 +46,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     recompute.check_layers(model_config.layers // pp // (virtual or 1))
     config = transformer_config(model_config, tp, pp, dtype=dtype, sequence_parallel=sequence_parallel,
                                 virtual_pipeline=virtual, **recompute.transformer_kwargs())
-    if settings.kind == "logra":
+    if settings.sketched:
         spec = logra_layer_spec(attention_backend=attention_backend)
     else:
         spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=attention_backend)
@@ -62,7 +62,7 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     for index, vp_stage in enumerate(range(virtual) if virtual else [None]):
         model = build_gpt_model(model_config, config, spec, vp_stage=vp_stage)
         initialize_layout_independent(model, model_config.vocab, seed)
-        if settings.kind == "logra" and logra_config is not None and logra_config.embeddings:
+        if settings.sketched and logra_config is not None and logra_config.embeddings:
             sketch_embeddings(model, model_config.vocab)
         models.append(model)
         ddp_models.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0))
