@@ -64,6 +64,10 @@ def test_cpu_report_holds_the_figures(cpu_report):
     assert stages["smoke_logra"]["optimizer"] == "logra"
     assert "accuracy_after_rl" in stages["rl_20_steps"]
     assert stages["pytest_single_process"]["passed"] > 0 and "failed" not in stages["pytest_single_process"]
+    packing = stages["packing"]
+    assert packing["bf16"] and packing["padded_cells"] > packing["real_tokens"]
+    assert packing["packed"]["computed_tokens"] == packing["real_tokens"] and packing["ratio"]["tokens_per_s"] > 0
+    assert packing["packed"]["flash_varlen_calls"] == 0  # the kernel is CUDA's: the per-sequence loop here
     markdown = (out / "report.md").read_text()
     assert all(f"| {name} | {'skipped' if name == 'baselines' else 'ok'} |" in markdown for name in stages)
 

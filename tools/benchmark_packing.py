@@ -151,6 +151,7 @@ def engine_prefill(args, model, vocab, device, sync):
 def run(args):
     from logra_megatron import parallel
     from logra_megatron.logra import LogRAConfig
+    from logra_megatron.models import varlen_attention
     from logra_megatron.models.config import get_preset
     from logra_megatron.platform.memory import AllocationTracker
     from logra_megatron.rl.grpo import policy_loss_backward, sequence_logprobs
@@ -166,7 +167,7 @@ def run(args):
     parallel.initialize(1, 1, seed=args.seed)
     logra = LogRAConfig(rank=args.logra_rank) if args.optimizer == "logra" else None
     _, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=args.optimizer, lr=1e-5), logra,
-                                        attention_backend="sdpa")
+                                        attention_backend="sdpa", dtype=torch.bfloat16 if args.bf16 else torch.float32)
     rollouts, advantages = ragged_batch(args.rows, args.prompt_min, args.prompt_max, args.response_cap,
                                         args.sigma, model_config.vocab, args.seed)
     device = next(ddp.parameters()).device
@@ -211,10 +212,12 @@ def run(args):
                 "computed_tokens": real if pack else cells}
 
     padded = measure(False)
+    kernel_calls = varlen_attention.calls
     packed = measure(True)
+    packed["flash_varlen_calls"] = varlen_attention.calls - kernel_calls
     engine = engine_prefill(args, ddp, model_config.vocab, device, sync) if args.engine_prompts else None
     return {
-        "preset": args.preset, "device": str(device), "optimizer": args.optimizer,
+        "preset": args.preset, "device": str(device), "optimizer": args.optimizer, "bf16": args.bf16,
         "rows": args.rows, "real_tokens": real, "padded_cells": cells,
         "padding_fraction": 1 - real / cells, "micro_batch_size": args.micro_batch_size,
         "max_tokens_per_microbatch": budget,
@@ -245,6 +248,8 @@ def table(result):
                      f"{row['peak_bytes'] / 2**20:.1f} |")
     ratio = result["ratio"]
     lines.append(f"| packed / padded | | | {ratio['tokens_per_s']:.2f}x | {ratio['peak_bytes']:.2f}x |")
+    calls = result["packed"]["flash_varlen_calls"]
+    lines.append(f"packed attention: {f'the varlen flash kernel ({calls} calls)' if calls else 'one SDPA call per sequence'}")
     engine = result.get("engine")
     if engine:
         lines += ["", f"engine prefill: {engine['prompts']} prompts x {engine['samples']} samples = {engine['rows']} rows, "
@@ -278,6 +283,8 @@ def main(argv=None):
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=0,
                         help="packed budget (0: --micro-batch-size x the padded length)")
     parser.add_argument("--optimizer", choices=("logra", "adam"), default="logra")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 weights (on CUDA the packed side's attention is then the varlen flash kernel)")
     parser.add_argument("--logra-rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)

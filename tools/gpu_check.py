@@ -164,6 +164,14 @@ def build_passed(figures: dict) -> Optional[str]:
     return None if figures["build_s"] < 30 else f"built in {figures['build_s']:.1f} s (the aim: under 30 s)"
 
 
+def packing_passed(figures: dict, cpu: bool) -> Optional[str]:
+    if not figures["engine"]["identical"]["greedy"]:
+        return "greedy completions differ packed and padded"
+    if not cpu and figures["packed"]["flash_varlen_calls"] == 0:
+        return "the packed attention did not run on the varlen flash kernel (the per-sequence loop instead)"
+    return None
+
+
 def phases_figures(output: str) -> dict:
     return last_json(output)
 
@@ -198,6 +206,12 @@ def stages(cpu: bool, scratch: Path, python: str) -> List[Stage]:
                         *sizes, "--json"], 240, phases_figures),
         Stage("baselines", baseline_command(python, cpu, sizes), 300, baseline_figures, baseline_passed,
               needs_cuda=True),
+        # One GRPO step on a ragged batch, padded vs packed; bf16, so on CUDA the packed attention is
+        # the varlen flash kernel (packing_passed fails the stage where it fell back to the loop).
+        Stage("packing", [python, f"{tools}/benchmark_packing.py", "--preset", smoke_preset, "--bf16", "--json",
+                          *(["--rows", "8", "--repeats", "1", "--engine-prompts", "4", "--engine-samples", "2",
+                             "--engine-new-tokens", "4"] if cpu else [])],
+              240, last_json, lambda figures, cpu=cpu: packing_passed(figures, cpu)),
     ]
     for preset in presets:
         for master in ("fp32", "bf16-sr"):

@@ -39,6 +39,9 @@ _kernel = _load_kernel()
 """torch's varlen flash attention, or None where this torch has none (replaced in tests)."""
 _failed = False
 """Set when the kernel raised once (an unsupported GPU, say): the per-sequence path from then on."""
+calls = 0
+"""Packed attentions the kernel computed in this process (tools/benchmark_packing.py reports it,
+so a GPU run says whether the packed side ran on the varlen kernel or on the per-sequence loop)."""
 
 
 def flash_varlen_usable(query: torch.Tensor, dropout: float) -> bool:
@@ -52,7 +55,7 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
     """Causal attention of each packed sequence (``bounds``: the offsets, 0 .. t) in one call:
     query/key/value ``[t, heads, d]`` (key and value with as many heads as the query), output
     ``[t, heads, d]``. None if the kernel refused the call (warned once; the caller falls back)."""
-    global _failed
+    global _failed, calls
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
     parameters = inspect.signature(_kernel).parameters
@@ -66,7 +69,9 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
     else:  # the kernel's own scale is 1/sqrt(d): fold the ratio into the query
         query = query * (scale * math.sqrt(query.shape[-1]))
     try:
-        return _kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, **options)
+        output = _kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, **options)
+        calls += 1
+        return output
     except RuntimeError as error:
         _failed = True
         warnings.warn(f"varlen flash attention refused a packed microbatch ({error}); packed attention runs "
