@@ -75,7 +75,7 @@ its host components and theirs)."""
 
 
 def parse_args(argv):
-    from logra_megatron.planning.settings import MOMENT_DTYPES
+    from logra_megatron.planning.arguments import add_baseline_arguments
 
     parser = ArgumentParser(prog="benchmark_optimizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -90,13 +90,7 @@ def parse_args(argv):
                              "(adam-precision-aware and adam-cpu-offload always use it)")
     parser.add_argument("--rows", default="all",
                         help=f"comma-separated rows to run, of {', '.join(ROWS)}; default all")
-    parser.add_argument("--exp-avg-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
-                        help="adam-precision-aware: dtype of Adam's first moment (default bf16)")
-    parser.add_argument("--exp-avg-sq-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
-                        help="adam-precision-aware: dtype of Adam's second moment (default bf16)")
-    parser.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
-                        help="adam-cpu-offload: the fraction of the optimizer's parameters whose state lives "
-                             "on the host (default 1.0)")
+    add_baseline_arguments(parser)
     parser.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                         help="adam-cpu-offload: overlap the host optimizer's copies with compute (Megatron's flag)")
     parser.add_argument("--steps", type=int, default=5)

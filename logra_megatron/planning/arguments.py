@@ -21,6 +21,18 @@ GIB = 1024**3
 OPTIMIZER_CHOICES = ROWS + ("both", "all")
 
 
+def add_baseline_arguments(parser) -> None:
+    """The dense baseline rows' own flags (Megatron's names), for the planner and
+    tools/benchmark_optimizer.py alike."""
+    parser.add_argument("--exp-avg-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
+                        help="adam-precision-aware: dtype of Adam's first moment (default bf16)")
+    parser.add_argument("--exp-avg-sq-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
+                        help="adam-precision-aware: dtype of Adam's second moment (default bf16)")
+    parser.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                        help="adam-cpu-offload: the fraction of the optimizer's parameters whose state "
+                             "and masters live on the host (default 1.0)")
+
+
 def add_arguments(parser) -> None:
     """The planner's flags on an argparse parser (tools/plan_memory.py)."""
     model = parser.add_argument_group("model")
@@ -55,13 +67,7 @@ def add_arguments(parser) -> None:
                                 "state and fp32 masters on the host), adam-8bit (block-wise 8-bit moments), adam-kl "
                                 "(dense Adam under our KL controller), logra; both: adam and logra (default); all: "
                                 "every row")
-    optimizer.add_argument("--exp-avg-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
-                           help="adam-precision-aware: dtype of Adam's first moment (default bf16)")
-    optimizer.add_argument("--exp-avg-sq-dtype", choices=tuple(MOMENT_DTYPES), default="bf16",
-                           help="adam-precision-aware: dtype of Adam's second moment (default bf16)")
-    optimizer.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
-                           help="adam-cpu-offload: the fraction of the optimizer's parameters whose state "
-                                "and masters live on the host (default 1.0)")
+    add_baseline_arguments(optimizer)
     optimizer.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
                            help="adam-cpu-offload: the GPU gradient buffer's dtype (Megatron's main_grads_dtype "
                                 "under --use-precision-aware-optimizer; default fp32)")
