@@ -1206,18 +1206,15 @@ def global_buffer_bytes(settings: PlanSettings, stage: int = 0) -> int:
     is in no step's peak but in the memory a GPU holds. Two users: the unfused attention scores'
     ``baddbmm`` (``b x n x s x s``; SDPA reads no such buffer) and, under sequence parallelism,
     the all-gathered input of Megatron's own column-parallel linears (``T x h``: every linear of
-    the dense model, the output layer of LoGRA's unless ``--logra-embeddings`` sketches it;
-    LoGRA's sketching linears gather into tensors of their own)."""
+    the dense model, the output layer of LoGRA's, on its last stage; LoGRA's sketching linears
+    gather into tensors of their own, and its sketched embeddings do not run under SP)."""
     model = settings.model
     elements = 0
     if resolve_attention_backend(settings.attention_backend) != "sdpa":
         heads = model.heads // settings.tensor_parallel
         elements = settings.micro_batch_size * heads * settings.seq_length ** 2
     if settings.sequence_parallel:
-        megatron_linears = settings.optimizer != "logra"
-        if settings.optimizer == "logra" and stage == settings.pipeline_parallel - 1:
-            megatron_linears = not settings.logra.embeddings
-        if megatron_linears:
+        if settings.optimizer != "logra" or stage == settings.pipeline_parallel - 1:
             # the largest gather of a step: a training microbatch or a probe pass (T_probe x h)
             # (the probe's sequence taken up to a multiple of TP, as _Step._probe_pass does)
             rows, _ = probe_layout(settings)
