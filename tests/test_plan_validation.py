@@ -1,7 +1,8 @@
 """The memory planner (logra_megatron/planning) against measured runs of tiny: every training
 state component within 5% and the step's peak of tracked allocations within 10%, per rank, at
 TP2 x PP2 and at DP2 with the distributed optimizer, dense Adam and LoGRA, fp32 and bf16 (one
-torchrun launch per layout: tests/workers/plan_validation_checks.py). In-process: what the
+torchrun launch per layout: tests/workers/plan_validation_checks.py), and at TP2 x PP2 under
+``--sequence-parallel`` (packed). In-process: what the
 activation model must show (recomputation, pipeline depth, the CPU tracker's view)."""
 
 import dataclasses
@@ -17,6 +18,9 @@ from logra_megatron.planning.validate import COMPONENT_BOUND, PEAK_BOUND
 
 COMBOS = ("adam_fp32", "adam_bf16", "logra_fp32", "logra_bf16")
 LAYOUTS = {"tp2pp2": 4, "dp2dist": 2}
+SP_COMBOS = ("adam_fp32_sp", "logra_bf16_sp")
+"""Measured under ``--sequence-parallel`` in the TP layouts (packed microbatches)."""
+CASES = [(layout, combo) for layout in LAYOUTS for combo in COMBOS] + [("tp2pp2", combo) for combo in SP_COMBOS]
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +30,12 @@ def measured(tmp_path_factory):
             for layout, ranks in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("combo", COMBOS)
-@pytest.mark.parametrize("layout", tuple(LAYOUTS))
+@pytest.mark.parametrize("layout,combo", CASES)
 def test_plan_matches_measurement(measured, layout, combo):
     for rank in range(LAYOUTS[layout]):
         record = result(measured[layout], combo, rank)
         where = f"{layout} {combo} rank {rank}"
+        assert record["sequence_parallel"] == combo.endswith("_sp"), where  # the model as built
         nonzero = [name for name, item in record["components"].items() if item["measured"] > 0]
         assert "weight_bytes" in nonzero and "moment_bytes" in nonzero, where
         for name, item in record["components"].items():

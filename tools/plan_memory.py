@@ -18,7 +18,8 @@ logra_megatron/planning/settings.py ``ROWS``); every row reports its GPU bytes (
 busiest GPU), host bytes (``host_bytes`` per rank, ``host_total_bytes`` over the job) and, with
 ``--gpu-memory-gib``, ``fits``. ``--json`` prints one object (``plans`` or ``search``, one entry per
 row under the row's name), ``--plot FILE.png`` draws a stacked bar per GPU (needs matplotlib), ``--validate``
-measures a small run against the plan (logra_megatron/planning/validate.py).
+measures a small run against the plan (logra_megatron/planning/validate.py). ``--sequence-parallel``
+(TP > 1) plans Megatron's sequence parallelism (logra_megatron/planning/activations.py).
 """
 
 import json
@@ -185,7 +186,8 @@ def print_header(report: dict) -> None:
     rollout = s["rollout"]
     print(f"model: hidden {model['hidden']}, {model['layers']} layers, {model['heads']}/{model['kv_heads']} heads, "
           f"ffn {model['ffn_hidden']}, vocab {model['vocab']}{', tied' if model['tie_embeddings'] else ''}; "
-          f"{'bf16' if s['bf16'] else 'fp32'}; distributed optimizer {'on' if s['distributed_optimizer'] else 'off'}")
+          f"{'bf16' if s['bf16'] else 'fp32'}; distributed optimizer {'on' if s['distributed_optimizer'] else 'off'}"
+          f"{'; sequence parallel (where TP > 1)' if s['sequence_parallel'] else ''}")
     print(f"LoGRA: rank {logra['rank']}, master {logra['master']}, embeddings "
           f"{'sketched' if logra['embeddings'] else 'dense'}, {logra['norm_probes']} norm probes; "
           f"kl-control {s['kl_control']}; "

@@ -34,6 +34,21 @@ vocabulary on this TP rank, ``d`` the head dimension):
   fc1 output ``2f``, ``silu``, the linear half + offset and their product (``5 T f``). In fp32
   the residual stream is saved as the next norm's input; in bf16 the norm keeps its own fp32 copy
   and the residual lives only until the next residual add.
+- **Sequence parallelism** (``--sequence-parallel``, TP > 1; megatron-core 0.16.1's
+  tensor_parallel/layers.py and mappings.py, logra/sketch.py): outside the tensor-parallel
+  regions each rank holds ``T / TP`` tokens (``Dims.sharded``): the embedding output (the lookup
+  reduce-scattered, then cloned), every RMSNorm's tensors, the residual stream, the pipeline
+  messages, the input gradients into those. A column-parallel linear (qkv, fc1, the output layer)
+  all-gathers its input for the product but saves only the slice (Megatron's and LoGRA's alike),
+  gathers it again in the backward for the weight gradient or sketch, and reduce-scatters its
+  input gradient into a new slice; Megatron gathers into its kept global buffer
+  (:func:`global_buffer_bytes`), LoGRA's sketching linears into tensors of their own (transient:
+  the product in the forward, the whole backward). A row-parallel linear (proj, fc2) produces
+  the whole sequence's partial sum and reduce-scatters it into a new slice; in the backward its
+  output gradient is all-gathered first. q/k/v, attention, the MLP's intermediates and the logits
+  are whole-sequence (heads, FFN and vocabulary split over TP as without SP). The model sets no
+  dropout (models/build.py: attention and hidden dropout 0), so there are no masks to split.
+  After the backward Megatron sums the norms' weight gradients over TP (one flattened fp32 copy).
 - **Recomputation**: ``selective`` drops core attention's saved tensors (it keeps its inputs:
   q, the un-repeated key and the QKV output the value is a view of); ``full`` keeps only the
   input of each recomputed group (``uniform``) or of each of the first N layers (``block``), and
@@ -115,6 +130,9 @@ class Dims:
     segment: int = 0
     """Tokens of the longest sequence attention sees at once: ``s`` padded; packed (``b = 1``,
     ``s`` the token budget), the longest row (``seq_length``), as SDPA runs once per row."""
+    sp: int = 1
+    """Ranks the sequence is split over outside the tensor-parallel regions: TP under
+    ``--sequence-parallel``, else 1."""
 
     @property
     def longest(self) -> int:
@@ -123,6 +141,11 @@ class Dims:
     @property
     def tokens(self) -> int:
         return self.b * self.s
+
+    @property
+    def sharded(self) -> int:
+        """Tokens of this rank's slice of the sequence-parallel region (all of them without SP)."""
+        return self.tokens // self.sp
 
     @property
     def scores(self) -> int:
@@ -205,7 +228,8 @@ class _Step:
                          n=model.heads // tp, g=model.kv_heads // tp, d=model.kv_channels,
                          f=model.ffn_hidden // tp, vocab=model.padded_vocab(tp) // tp, e=e,
                          widened=settings.bf16 and platform == "cpu",
-                         segment=min(settings.seq_length, length))
+                         segment=min(settings.seq_length, length), sp=tp if settings.sequence_parallel else 1)
+        self.sp = settings.sequence_parallel
         self.params = state_model.parameter_shapes(settings, stage)
         self.logra = settings.optimizer == "logra"
         self.sdpa = resolve_attention_backend(settings.attention_backend) == "sdpa"
@@ -219,15 +243,48 @@ class _Step:
         if self.dims.widened:
             self.timeline.moment((tokens_in + weight_numel + tokens_out) * FP32, "forward_temporaries_bytes")
 
-    def _linear_backward(self, key, rows_in: int, rows_out: int, width_in: int, width_out: int, slot: str) -> None:
+    def _linear_backward(self, key, rows_in: int, rows_out: int, width_in: int, width_out: int, slot: str,
+                         column: bool = False) -> None:
         """Backward of a linear layer ``[T, in] -> [T, out]``: allocates the input gradient
-        ``key``; the weight gradient (dense) or the sketch products (LoGRA) are temporaries."""
+        ``key``; the weight gradient (dense) or the sketch products (LoGRA) are temporaries.
+
+        ``column`` (a column-parallel linear: qkv, fc1, the output layer) under sequence
+        parallelism: the linear saved its input's sequence slice; the whole-sequence input
+        gradient is reduce-scattered into a new slice-sized ``key`` (Megatron's
+        ``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``sub_grad_input``; LoGRA's
+        ``_SketchedLinearFunction.backward``: ``empty_like(input)``), allocated before the weight
+        gradient or sketch is taken, and the whole-sequence one is freed when the backward
+        returns. The weight gradient needs the gathered input again: Megatron gathers it into its
+        global memory buffer (kept from the forward, :func:`global_buffer_bytes`), LoGRA's
+        sketching linear into a new tensor (logra/sketch.py ``gather_sequence``) live for the
+        whole backward."""
         tl, dims = self.timeline, self.dims
         tokens = dims.tokens
         weight = width_in * width_out
+        scattered = self.sp and column
+        comp = "backward_temporaries_bytes"
+        if scattered and self._sketching(slot):
+            tl.alloc(key + ("gathered",), tokens * width_in * dims.e, comp)
         if dims.widened:  # dgrad: grad_output and weight widened, fp32 product
             tl.moment((tokens * width_out + weight + tokens * width_in) * FP32, "backward_temporaries_bytes")
-        tl.alloc(key, tokens * width_in * dims.e, "backward_temporaries_bytes")
+        if scattered:
+            tl.alloc(key + ("whole",), tokens * width_in * dims.e, comp)
+            tl.alloc(key, dims.sharded * width_in * dims.e, comp)
+        else:
+            tl.alloc(key, tokens * width_in * dims.e, "backward_temporaries_bytes")
+        self._weight_gradient(rows_in, width_in, width_out, slot)
+        if scattered:
+            tl.free(key + ("whole",), key + ("gathered",))
+
+    def _sketching(self, slot: str) -> bool:
+        """Whether the linear in ``slot`` is LoGRA's sketching one (else Megatron's own)."""
+        return self.logra and slot in self.sketched
+
+    def _weight_gradient(self, rows_in: int, width_in: int, width_out: int, slot: str) -> None:
+        """The weight gradient's temporaries (dense) or the sketch products' (LoGRA)."""
+        tl, dims = self.timeline, self.dims
+        tokens = dims.tokens
+        weight = width_in * width_out
         if self.logra and slot in self.sketched:
             rank = self._rank_of(slot)
             probes = self._norm_probes()
@@ -254,12 +311,12 @@ class _Step:
         """RMSNorm of the residual ``x_key``: fp32 input (a copy in bf16), fp32 normalized
         input, output, fp32 1/rms; a squared-input temporary."""
         tl, dims = self.timeline, self.dims
-        th = dims.tokens * dims.h
+        th = dims.sharded * dims.h  # a norm sees this rank's sequence slice under SP
         comp = "saved_activations_bytes" if saved else "forward_temporaries_bytes"
         if dims.e != FP32:
             tl.alloc(key + ("x32",), th * FP32, comp)
         tl.moment(th * FP32, "forward_temporaries_bytes")
-        tl.alloc(key + ("rstd",), dims.tokens * FP32, comp)
+        tl.alloc(key + ("rstd",), dims.sharded * FP32, comp)
         tl.alloc(key + ("normed",), th * FP32, comp)
         tl.alloc(key + ("out",), th * dims.e, comp)
         if not saved:
@@ -275,8 +332,10 @@ class _Step:
         comp = "saved_activations_bytes" if saved else "forward_temporaries_bytes"
         self._norm_forward(p + ("ln1",), x_key, saved)
         qkv = (d.n + 2 * d.g) * d.d
+        self._gather_input(p + ("ln1", "gathered"), "linear_qkv")
         self._product(T * d.h, qkv * d.h, T * qkv)
         tl.alloc(p + ("qkv",), T * qkv * e, comp)
+        tl.free(p + ("ln1", "gathered"))
         tl.free(p + ("ln1", "out")) if not saved else None
         # Rotary embedding of q and k: t*cos + rotate_half(t)*sin, then cat with the (empty) pass part.
         # Packed: Megatron's thd path (_apply_rotary_pos_emb_thd) first builds the restarted
@@ -301,15 +360,18 @@ class _Step:
             tl.free(p + ("q",), p + ("k",), p + ("qkv",), p + ("rope", "q"), p + ("rope", "k"))
         self._product(T * d.n * d.d, d.h * d.n * d.d, T * d.h)
         tl.alloc(p + ("proj",), T * d.h * e, "forward_temporaries_bytes")
+        self._scatter_output(p + ("proj",))
         if not saved:
             tl.free(p + ("ctx",))
         res1 = p + ("res1",)
-        tl.alloc(res1, T * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
+        tl.alloc(res1, d.sharded * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
         tl.free(p + ("proj",))
         self._drop_residual(x_key, saved)
         self._norm_forward(p + ("ln2",), res1, saved)
+        self._gather_input(p + ("ln2", "gathered"), "linear_fc1")
         self._product(T * d.h, 2 * d.f * d.h, 2 * T * d.f)
         tl.alloc(p + ("fc1",), 2 * T * d.f * e, comp)
+        tl.free(p + ("ln2", "gathered"))
         if not saved:
             tl.free(p + ("ln2", "out"))
         tl.alloc(p + ("silu",), T * d.f * e, comp)
@@ -319,10 +381,11 @@ class _Step:
             tl.free(p + ("fc1",), p + ("silu",), p + ("xlin",))
         self._product(T * d.f, d.h * d.f, T * d.h)
         tl.alloc(p + ("fc2",), T * d.h * e, "forward_temporaries_bytes")
+        self._scatter_output(p + ("fc2",))
         if not saved:
             tl.free(p + ("act",))
         out = p + ("res2",)
-        tl.alloc(out, T * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
+        tl.alloc(out, d.sharded * d.h * e, comp if (saved and e == FP32) else "forward_temporaries_bytes")
         tl.free(p + ("fc2",))
         self._drop_residual(res1, saved)
         return out
@@ -412,6 +475,39 @@ class _Step:
             return context * d.e + (2 * block + q_split) * FP32 + (2 * block * d.e if reduced else 0)
         return (block + 2 * q_split + q_split * d.d) * FP32 + (block * d.e if reduced else 0)
 
+    def _gather_input(self, key, slot: str) -> None:
+        """A column-parallel linear's input under sequence parallelism: this rank's slice is
+        all-gathered for the product and only the slice is saved for the backward (Megatron's
+        ``LinearWithGradAccumulationAndAsyncCommunication.forward`` saves ``input``, LoGRA's
+        ``_SketchedLinearFunction.forward`` too). Megatron gathers into its global memory buffer
+        (``get_global_memory_buffer().get_tensor(..., "mpu")``: allocated by the first step and
+        kept, :func:`global_buffer_bytes`); LoGRA's sketching linears into a new tensor that lives
+        for the product (``key``, freed by the caller after the output exists)."""
+        if self.sp and self._sketching(slot):
+            d = self.dims
+            self.timeline.alloc(key, d.tokens * d.h * d.e, "forward_temporaries_bytes")
+
+    def _scatter_output(self, key) -> None:
+        """A row-parallel linear's output under sequence parallelism: its whole-sequence partial
+        sum ``key`` is reduce-scattered into a new slice (Megatron's
+        ``reduce_scatter_to_sequence_parallel_region``, tensor_parallel/mappings.py
+        ``_reduce_scatter_along_first_dim``: ``torch.empty`` of the slice), which is known as
+        ``key`` from then on; without SP it is all-reduced in place."""
+        if not self.sp:
+            return
+        tl, d = self.timeline, self.dims
+        tl.alloc(key + ("slice",), d.sharded * d.h * d.e, "forward_temporaries_bytes")
+        tl.free(key)
+        tl.rename(key + ("slice",), key)
+
+    def _gather_grad(self, key) -> None:
+        """The backward of a row-parallel linear's reduce-scatter under sequence parallelism: the
+        slice's gradient all-gathered into a new whole-sequence tensor ``key`` (mappings.py
+        ``_gather_along_first_dim``), the linear's ``grad_output`` until its backward returns."""
+        if self.sp:
+            d = self.dims
+            self.timeline.alloc(key, d.tokens * d.h * d.e, "backward_temporaries_bytes")
+
     def _drop_residual(self, key, saved: bool) -> None:
         """A residual tensor after its last forward use: kept when a norm saved it (fp32, grad
         mode), or when the schedule or a checkpoint holds it."""
@@ -466,8 +562,20 @@ class _Step:
         if self.settings.tensor_parallel > 1:  # the masked ids (int64) and the mask, saved
             tl.alloc(key + ("ids",), T * (INT64 + 1), "saved_activations_bytes" if grad else "forward_temporaries_bytes")
         tl.alloc(key + ("lookup",), T * d.h * d.e, "forward_temporaries_bytes")
+        if self.sp:
+            # Megatron's reduce_scatter_embeddings (no learned positions): the lookup laid out
+            # [s, b, h] (a copy at b > 1), reduce-scattered into this rank's slice, which
+            # LanguageModelEmbedding clones (clone_scatter_output_in_embedding) into the stage input.
+            if d.b > 1:
+                tl.alloc(key + ("sbh",), T * d.h * d.e, "forward_temporaries_bytes")
+                tl.free(key + ("lookup",))
+                tl.rename(key + ("sbh",), key + ("lookup",))
+            tl.alloc(key + ("slice",), d.sharded * d.h * d.e, "forward_temporaries_bytes")
+            tl.free(key + ("lookup",))
+            tl.rename(key + ("slice",), key + ("lookup",))
         x = ("layer", mb, -1, "input")
-        tl.alloc(x, T * d.h * d.e, "saved_activations_bytes" if grad and d.e == FP32 else "forward_temporaries_bytes")
+        tl.alloc(x, d.sharded * d.h * d.e,
+                 "saved_activations_bytes" if grad and d.e == FP32 else "forward_temporaries_bytes")
         tl.free(key + ("lookup",))
         if not grad:
             tl.free(key + ("ids",))
@@ -480,9 +588,11 @@ class _Step:
         comp = "logits_bytes"
         self._norm_forward(("head", mb, "ln"), x, grad)
         self._drop_residual(x, grad)
+        self._gather_input(("head", mb, "gathered"), "output_layer")
         self._product(T * d.h, d.vocab * d.h, T * d.vocab)
         logits = ("head", mb, "logits")
         tl.alloc(logits, T * d.vocab * d.e, comp)
+        tl.free(("head", mb, "gathered"))
         if not grad:
             tl.free(("head", mb, "ln", "out"))
             return logits
@@ -499,7 +609,7 @@ class _Step:
         """RMSNorm backward: fp32 temporaries, the input gradient ``out_key``; frees the norm's
         saved tensors."""
         tl, d = self.timeline, self.dims
-        th = d.tokens * d.h
+        th = d.sharded * d.h
         tl.moment(2 * th * FP32, "backward_temporaries_bytes")
         if d.e != FP32:
             tl.moment(th * FP32, "backward_temporaries_bytes")
@@ -516,8 +626,9 @@ class _Step:
         g = ("grad", mb, layer)
         comp = "backward_temporaries_bytes"
         # MLP
+        self._gather_grad(g + ("fc2_out",))
         self._linear_backward(g + ("act",), T, T, d.f, d.h, "linear_fc2")
-        tl.free(p + ("act",))
+        tl.free(g + ("fc2_out",), p + ("act",))
         tl.alloc(g + ("silu",), T * d.f * e, comp)
         tl.alloc(g + ("xlin",), T * d.f * e, comp)
         tl.free(g + ("act",), p + ("silu",), p + ("xlin",))
@@ -526,14 +637,16 @@ class _Step:
         tl.free(g + ("silu",), p + ("fc1",))
         tl.alloc(g + ("fc1",), 2 * T * d.f * e, comp)
         tl.free(g + ("xglu",), g + ("xlin",))
-        self._linear_backward(g + ("ln2",), T, T, d.h, 2 * d.f, "linear_fc1")
+        self._linear_backward(g + ("ln2",), T, T, d.h, 2 * d.f, "linear_fc1", column=True)
         tl.free(g + ("fc1",), p + ("ln2", "out"))
         self._norm_backward(p + ("ln2",), g + ("ln2",), g + ("ln2x",))
         tl.free(p + ("res1",))
-        tl.alloc(g + ("res1",), T * d.h * e, comp)  # residual grad: the sum of both paths
+        tl.alloc(g + ("res1",), d.sharded * d.h * e, comp)  # residual grad: the sum of both paths
         tl.free(g + ("ln2x",), grad_key)
         # attention
+        self._gather_grad(g + ("proj_out",))
         self._linear_backward(g + ("ctx",), T, T, d.n * d.d, d.h, "linear_proj")
+        tl.free(g + ("proj_out",))
         if self.sdpa:
             self._sdpa_backward(p, g, selective)
         else:
@@ -552,13 +665,13 @@ class _Step:
         qkv = (d.n + 2 * d.g) * d.d
         tl.alloc(g + ("qkv",), T * qkv * e, comp)
         tl.free(g + ("q",), g + ("k",), g + ("v",), g + ("k_rep",), g + ("v_rep",))
-        self._linear_backward(g + ("ln1",), T, T, d.h, qkv, "linear_qkv")
+        self._linear_backward(g + ("ln1",), T, T, d.h, qkv, "linear_qkv", column=True)
         tl.free(g + ("qkv",), p + ("ln1", "out"))
         self._norm_backward(p + ("ln1",), g + ("ln1",), g + ("ln1x",))
         if x_key not in self._held:
             tl.free(x_key)
         out = g + ("input",)
-        tl.alloc(out, T * d.h * e, comp)
+        tl.alloc(out, d.sharded * d.h * e, comp)
         tl.free(g + ("ln1x",), g + ("res1",))
         return out
 
@@ -684,7 +797,7 @@ class _Step:
             tl.alloc(grad_logits, T * d.vocab * d.e, comp)
             tl.free(logits)
         tl.free(ce_key)
-        self._linear_backward(("grad", mb, "head"), T, T, d.h, d.vocab, "output_layer")
+        self._linear_backward(("grad", mb, "head"), T, T, d.h, d.vocab, "output_layer", column=True)
         tl.free(grad_logits, ("head", mb, "ln", "out"))
         self._norm_backward(("head", mb, "ln"), ("grad", mb, "head"), ("grad", mb, "head_in"))
         if x_key not in self._held:
@@ -693,9 +806,12 @@ class _Step:
 
     def _embedding_backward(self, mb, grad_key) -> None:
         tl, d = self.timeline, self.dims
+        if self.sp:  # the reduce-scatter's backward: the slice's gradient all-gathered
+            tl.alloc(("grad", mb, "emb"), d.tokens * d.h * d.e, "backward_temporaries_bytes")
+            tl.free(grad_key)
         if not (self.logra and "word_embeddings" in self.sketched):
             tl.moment(d.vocab * d.h * d.e, "backward_temporaries_bytes")  # the dense weight gradient
-        tl.free(grad_key, ("emb", mb, "ids"))
+        tl.free(grad_key, ("emb", mb, "ids"), ("grad", mb, "emb"))
 
     # --- one microbatch, and the schedule ---------------------------------------------------------
 
@@ -705,8 +821,9 @@ class _Step:
         if self.first:
             x = self._embedding_forward(mb, grad=True)
         else:  # the received activation, held by the schedule until this microbatch's backward
+            # (a sequence slice under SP: Megatron's p2p shapes are seq_length / TP)
             x = ("layer", mb, -1, "input")
-            tl.alloc(x, T * d.h * d.e, "pipeline_buffers_bytes")
+            tl.alloc(x, d.sharded * d.h * d.e, "pipeline_buffers_bytes")
             self._held.add(x)
         out, groups = self._stage_forward(mb, grad=True, x_key=x)
         if self.last:
@@ -732,7 +849,7 @@ class _Step:
             grad = self._head_backward(mb, *out)
         else:
             grad = ("recv_grad", mb)
-            tl.alloc(grad, d.tokens * d.h * d.e, "pipeline_buffers_bytes")
+            tl.alloc(grad, d.sharded * d.h * d.e, "pipeline_buffers_bytes")
         grad = self._stage_backward(mb, groups, grad, x)
         if not self.last:
             tl.free(out)
@@ -776,6 +893,11 @@ class _Step:
                 self.backward_microbatch(index)
             for mb in range(microbatches - warmup, microbatches):
                 self.backward_microbatch(mb)
+        if self.sp:
+            # finalize_model_grads sums the sequence-parallel norms' weight gradients over TP
+            # (distributed/finalize_model_grads.py: one flattened fp32 copy of their main_grads).
+            norms = 2 * self.layers + (1 if self.last else 0)
+            tl.moment(norms * d.h * FP32, "backward_temporaries_bytes")
         tl.free("batch")
 
     # --- the optimizer and the KL controller ------------------------------------------------------
@@ -861,10 +983,13 @@ class _Step:
         saved_dims = self.dims
         rows, _ = probe_layout(self.settings)
         length = probe_row_tokens(self.settings)
+        # Under SP the sequence a pass splits over TP is taken up to a multiple of TP (the
+        # padding rl/grpo.py gives training microbatches; none where it is already one).
+        whole = (lambda tokens: -(-tokens // saved_dims.sp) * saved_dims.sp)
         if self.settings.packed:
-            self.dims = Dims(**{**saved_dims.__dict__, "b": 1, "s": rows * length, "segment": length})
+            self.dims = Dims(**{**saved_dims.__dict__, "b": 1, "s": whole(rows * length), "segment": length})
         else:
-            self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": length, "segment": 0})
+            self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": whole(length), "segment": 0})
         saved_packed, self.packed = self.packed, self.settings.packed
         try:
             d = self.dims
@@ -874,7 +999,7 @@ class _Step:
                 x = self._embedding_forward(key, grad=False)
             else:
                 x = ("layer", key, -1, "input")
-                tl.alloc(x, d.tokens * d.h * d.e, "probe_bytes")
+                tl.alloc(x, d.sharded * d.h * d.e, "probe_bytes")
             for layer in range(self.layers):
                 x = self._layer_forward(key, layer, x, saved=False, attention_saved=False)
                 self._preview_side_paths()
@@ -1075,13 +1200,28 @@ def _check_recompute(settings: PlanSettings) -> None:
     config.check_layers(settings.model.layers // settings.pipeline_parallel)
 
 
-def global_buffer_bytes(settings: PlanSettings) -> int:
-    """Megatron's global memory buffer that the unfused attention scores' ``baddbmm`` reads (``b
-    x n x s x s`` of the run's dtype): allocated by the first step and kept, so it is in no
-    step's peak but in the memory a GPU holds. SDPA reads no such buffer."""
-    if resolve_attention_backend(settings.attention_backend) == "sdpa":
-        return 0
+def global_buffer_bytes(settings: PlanSettings, stage: int = 0) -> int:
+    """Megatron's global memory buffer (``get_global_memory_buffer().get_tensor(..., "mpu")``, one
+    tensor per dtype, grown to the largest request): allocated by the first step and kept, so it
+    is in no step's peak but in the memory a GPU holds. Two users: the unfused attention scores'
+    ``baddbmm`` (``b x n x s x s``; SDPA reads no such buffer) and, under sequence parallelism,
+    the all-gathered input of Megatron's own column-parallel linears (``T x h``: every linear of
+    the dense model, the output layer of LoGRA's, on its last stage; LoGRA's sketching linears
+    gather into tensors of their own, and its sketched embeddings do not run under SP)."""
     model = settings.model
-    heads = model.heads // settings.tensor_parallel
-    return settings.micro_batch_size * heads * settings.seq_length ** 2 * settings.weight_bytes_per_element
+    elements = 0
+    if resolve_attention_backend(settings.attention_backend) != "sdpa":
+        heads = model.heads // settings.tensor_parallel
+        elements = settings.micro_batch_size * heads * settings.seq_length ** 2
+    if settings.sequence_parallel:
+        if settings.optimizer != "logra" or stage == settings.pipeline_parallel - 1:
+            # the largest gather of a step: a training microbatch or a probe pass (T_probe x h)
+            # (the probe's sequence taken up to a multiple of TP, as _Step._probe_pass does)
+            rows, _ = probe_layout(settings)
+            tp, length = settings.tensor_parallel, probe_row_tokens(settings)
+            whole = (lambda tokens: -(-tokens // tp) * tp)
+            probe = whole(rows * length) if settings.packed else rows * whole(length)
+            tokens = max(settings.tokens_per_microbatch, probe if settings.kl_control != "off" else 0)
+            elements = max(elements, tokens * model.hidden)
+    return elements * settings.weight_bytes_per_element
 

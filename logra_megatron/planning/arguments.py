@@ -46,6 +46,10 @@ def add_arguments(parser) -> None:
     layout.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     layout.add_argument("--data-parallel-size", type=int, default=None,
                         help="default: --gpus / (TP x PP), or 1 without --gpus")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron's sequence parallelism (TP > 1): norms, residual stream and pipeline "
+                             "messages split along the sequence over the TP ranks; with --search, applied to "
+                             "every layout with TP > 1")
     layout.add_argument("--gpus", type=int, default=None, help="GPUs of the job (with --search: the GPUs to fill)")
     layout.add_argument("--gpus-per-node", type=int, default=8,
                         help="--search keeps tensor parallelism within a node (default 8)")
@@ -194,6 +198,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
         pack_sequences=args.pack_sequences, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        sequence_parallel=getattr(args, "sequence_parallel", False),
         attention_backend=args.attention_backend, reference_model=args.reference_model,
         rollout=rollout_for(args, dp), exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
         optimizer_offload_fraction=args.optimizer_offload_fraction, main_grads_dtype=args.main_grads_dtype)

@@ -112,7 +112,7 @@ def plan_memory(settings: PlanSettings) -> MemoryPlan:
     for stage in range(settings.pipeline_parallel):
         dp_rank, state = worst_dp_rank_state(settings, stage)
         stages.append(StagePlan(stage, dp_rank, state, dict(activations.activation_bytes(settings, stage)),
-                                activations.global_buffer_bytes(settings), stage_host_state(settings, stage, dp_rank)))
+                                activations.global_buffer_bytes(settings, stage), stage_host_state(settings, stage, dp_rank)))
     return MemoryPlan(settings, tuple(stages))
 
 
@@ -166,8 +166,10 @@ def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
     for optimizer in optimizers:
         candidates, skipped, best = [], [], None
         for tp, pp, dp in layouts(gpus, gpus_per_node):
+            # --sequence-parallel is the user's: kept where TP > 1, off at TP 1 (as Megatron-LM
+            # turns it off there); the search does not vary it.
             settings = replace(settings_for_row(base, optimizer), tensor_parallel=tp, pipeline_parallel=pp,
-                               data_parallel=dp)
+                               data_parallel=dp, sequence_parallel=base.sequence_parallel and tp > 1)
             if rollout_sequences is not None:
                 per_replica = -(-rollout_sequences // dp)
                 settings = replace(settings, rollout=replace(

@@ -89,6 +89,10 @@ class PlanSettings:
     """Megatron's ``--recompute-method`` for full recomputation: uniform or block."""
     recompute_num_layers: Optional[int] = None
     """Megatron's ``--recompute-num-layers``."""
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel`` (TP > 1): the activations outside the tensor-parallel
+    regions (norms, residual stream, pipeline messages) are split along the sequence over the TP
+    ranks (planning/activations.py says which tensor is which)."""
     attention_backend: str = "auto"
     """``--attention-backend``: ``sdpa`` (``auto``) keeps no ``b x heads x s x s`` scores;
     ``unfused`` (Megatron's DotProductAttention) does."""
@@ -112,7 +116,11 @@ class PlanSettings:
         """Tokens of the largest microbatch: packed, the budget, or one whole row where a row is
         longer (the trainer puts such a row alone in a microbatch); padded, ``b x s``."""
         if self.packed:
-            return max(self.max_tokens_per_microbatch, self.seq_length)
+            tokens = max(self.max_tokens_per_microbatch, self.seq_length)
+            # Under sequence parallelism the trainer pads each packed microbatch to a multiple
+            # of TP (rl/grpo.py ``_packed_microbatches``).
+            multiple = self.tensor_parallel if self.sequence_parallel else 1
+            return -(-tokens // multiple) * multiple
         return self.micro_batch_size * self.seq_length
 
     @property

@@ -144,6 +144,16 @@ def check_settings(settings: PlanSettings) -> None:
         raise UserError(f"--kl-control must be one of {', '.join(KL_MODES)}, got {settings.kl_control!r}")
     if settings.micro_batch_size < 1 or settings.seq_length < 1:
         raise UserError("--micro-batch-size and --seq-length must be >= 1")
+    if settings.sequence_parallel and settings.tensor_parallel < 2:
+        raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                        "over the tensor-parallel ranks)")
+    if settings.sequence_parallel and settings.optimizer == "logra" and settings.logra.embeddings:
+        # logra/embeddings.py: the sketched embedding refuses Megatron's reduce-scatter of its output
+        raise UserError("--logra-embeddings does not run under --sequence-parallel (the sketched embedding "
+                        "takes no sequence-parallel output); drop one of them")
+    if settings.sequence_parallel and not settings.packed and settings.seq_length % settings.tensor_parallel:
+        raise UserError(f"--sequence-parallel splits the sequence over TP: --seq-length {settings.seq_length} "
+                        f"must be divisible by --tensor-model-parallel-size {settings.tensor_parallel}")
     if settings.pack_sequences and settings.max_tokens_per_microbatch < 1:
         raise UserError(f"packed sequences need a token budget >= 1 (--max-tokens-per-microbatch), got "
                         f"{settings.max_tokens_per_microbatch}")

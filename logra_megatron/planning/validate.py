@@ -95,7 +95,8 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     dtype = torch.bfloat16 if settings.bf16 else torch.float32
     model, ddp, optimizer = build_trainable(
         settings.model, OptimizerSettings(kind=settings.optimizer, lr=1e-4, distributed=settings.distributed_optimizer),
-        settings.logra, dtype=dtype, seed=seed, recompute=recompute, attention_backend=settings.attention_backend)
+        settings.logra, dtype=dtype, seed=seed, recompute=recompute, attention_backend=settings.attention_backend,
+        sequence_parallel=settings.sequence_parallel)
     # Token ids drawn on the CPU on purpose (the same batch on every device kind); this rank's
     # rows move to the model's device once.
     generator = torch.Generator().manual_seed(seed)
@@ -157,6 +158,7 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     record = {"rank": torch.distributed.get_rank(), "tp": parallel.tp_rank(), "pp": stage, "dp": dp_rank,
               "optimizer": settings.optimizer, "bf16": settings.bf16, "platform": platform, "loss": loss,
               "packed": settings.packed, "tokens_per_microbatch": settings.tokens_per_microbatch,
+              "sequence_parallel": model.config.sequence_parallel,  # as built, not as asked
               "components": components, "peak_step": peak,
               "plan_breakdown": {k: v for k, v in step_plan.items() if k != "peak_step_bytes"}}
     record["within_bounds"] = within_bounds(record)
@@ -273,6 +275,10 @@ def main_validate(args) -> int:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     if first.rollout.sequences_in_flight or first.reference_model:
         raise UserError("--validate measures training only: drop --rollout-sequences and --reference-model")
+    if first.sequence_parallel and not first.packed:
+        # The padded probe's rows are seq_length + 1 tokens, which the sequence split over TP
+        # does not take; the trainer packs under SP (rl/grpo.py pads packed microbatches to TP).
+        raise UserError("--validate with --sequence-parallel measures packed microbatches: drop --no-pack-sequences")
     world = first.world_size
     if not _under_torchrun():
         if world > 1:

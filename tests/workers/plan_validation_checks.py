@@ -1,5 +1,6 @@
 """The memory planner against measurement at one layout (``--layout``): tiny, dense Adam and
-LoGRA, fp32 and bf16, with the KL controller's probe. Each rank records its predicted and
+LoGRA, fp32 and bf16, with the KL controller's probe; at TP > 1 also under ``--sequence-parallel``
+(packed). Each rank records its predicted and
 measured components and step peak (logra_megatron/planning/validate.py: measure_settings);
 tests/test_plan_validation.py asserts the bounds."""
 
@@ -37,6 +38,17 @@ def main():
             # three tracked steps: at TP > 1 a step's CPU replay may keep blocks a gloo thread
             # freed unseen (logra_megatron/platform/memory.py); the smallest is taken
             checks.run(name, measure_settings, settings, 1, tracked_steps=3)
+    if tp > 1:
+        # --sequence-parallel: packed microbatches (the trainer packs under SP; a 64-token
+        # budget, a multiple of TP), one dtype per optimizer to keep the launch short
+        for optimizer, bf16 in (("adam", False), ("logra", True)):
+            settings = PlanSettings(
+                model=get_preset("tiny"), tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+                optimizer=optimizer, distributed_optimizer=distributed, bf16=bf16,
+                logra=LogRAConfig(rank=0.25, zero1=distributed), kl_control="probe", kl_probe_sequences=2,
+                micro_batch_size=2, global_batch_size=4 * dp, seq_length=32, pack_sequences=True,
+                max_tokens_per_microbatch=64, sequence_parallel=True)
+            checks.run(f"{optimizer}_{'bf16' if bf16 else 'fp32'}_sp", measure_settings, settings, 1, tracked_steps=3)
     checks.save()
     parallel.destroy()
 
