@@ -366,10 +366,12 @@ class PredictedKLController:
         forward) no forward pass at all: the logits are taken from there."""
         if step_logits is not None:
             return step_logits.base(probe)
-        optimizer.preview(0.0)
+        with phase("kl_preview"):
+            optimizer.preview(0.0)
         cached = []
         for part in probe.parts():
-            logits = probe.logits(model, part)
+            with phase("kl_probe_forward"):
+                logits = probe.logits(model, part)
             if logits is None:
                 cached.append(None)
                 continue
@@ -395,38 +397,54 @@ class PredictedKLController:
         proposed ``D``; leaves the optimizer previewing ``W``. ``base``: the probe's ``s = 0``
         logits from :meth:`base_logits` (one forward pass of the probe per call instead of
         two); without it they are computed here."""
+        # Sub-phases (inside kl_forecast or kl_realized; tools/benchmark_step_phases.py): the
+        # weights moved to W + s D and back (kl_preview), the probe's forward passes
+        # (kl_probe_forward), the KL of their logits (kl_divergence).
         total = 0.0
         if base is not None:
-            optimizer.preview(scale)
+            with phase("kl_preview"):
+                optimizer.preview(scale)
         for index, part in enumerate(probe.parts()):
             if base is None:
-                optimizer.preview(0.0)
-                old = probe.logits(model, part)
-                optimizer.preview(scale)
-            new = probe.logits(model, part)
-            if base is not None:
-                old = None if base[index] is None else self._restore(base[index])
-            if parallel.is_last_stage():
-                total += masked_kl_sum(old, new, probe.part_mask(part).to(old.device))
+                with phase("kl_preview"):
+                    optimizer.preview(0.0)
+                with phase("kl_probe_forward"):
+                    old = probe.logits(model, part)
+                with phase("kl_preview"):
+                    optimizer.preview(scale)
+            with phase("kl_probe_forward"):
+                new = probe.logits(model, part)
+            with phase("kl_divergence"):
+                if base is not None:
+                    old = None if base[index] is None else self._restore(base[index])
+                if parallel.is_last_stage():
+                    total += masked_kl_sum(old, new, probe.part_mask(part).to(old.device))
             del old, new
-        optimizer.preview(0.0)
+        with phase("kl_preview"):
+            optimizer.preview(0.0)
         return self._mean(total, probe)
 
     @torch.no_grad()
     def linear_kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet) -> float:
         """The linear forecast of ``KL(p_W || p_{W + D})``: ``0.5 Var_p(dz)`` per token."""
         total = 0.0
-        for part in probe.parts():
-            optimizer.preview(0.0)
-            old = probe.logits(model, part)
+        for part in probe.parts():  # sub-phases as kl()'s
+            with phase("kl_preview"):
+                optimizer.preview(0.0)
+            with phase("kl_probe_forward"):
+                old = probe.logits(model, part)
             epsilon = self.config.linear_epsilon
             if old is not None and old.dtype in (torch.bfloat16, torch.float16):
                 epsilon = BF16_LINEAR_EPSILON
-            optimizer.preview(epsilon)
-            new = probe.logits(model, part)
-            if parallel.is_last_stage():  # delta = (new - old) / epsilon, taken chunk by chunk
-                total += masked_half_variance_sum(old, new, epsilon, probe.part_mask(part).to(old.device))
-        optimizer.preview(0.0)
+            with phase("kl_preview"):
+                optimizer.preview(epsilon)
+            with phase("kl_probe_forward"):
+                new = probe.logits(model, part)
+            with phase("kl_divergence"):
+                if parallel.is_last_stage():  # delta = (new - old) / epsilon, taken chunk by chunk
+                    total += masked_half_variance_sum(old, new, epsilon, probe.part_mask(part).to(old.device))
+        with phase("kl_preview"):
+            optimizer.preview(0.0)
         return self._mean(total, probe)
 
     @staticmethod
