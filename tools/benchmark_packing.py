@@ -89,8 +89,10 @@ def engine_prefill(args, model, vocab, device, sync):
     from logra_megatron.rollout.types import PromptLayout, SamplingConfig
 
     generator = torch.Generator(device=torch.device("cpu")).manual_seed(args.seed + 1)  # host: prompts are lists
-    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.engine_prompts,), generator=generator)
-    prompts = [torch.randint(1, vocab, (int(n),), generator=generator).tolist() for n in lengths]
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.engine_prompts,), generator=generator,
+                            device=generator.device)
+    prompts = [torch.randint(1, vocab, (int(n),), generator=generator, device=generator.device).tolist()
+               for n in lengths]
     samples, new = args.engine_samples, args.engine_new_tokens
     layout = PromptLayout.of(prompts, samples, new, 0, device)
     served = int(layout.lengths.sum())  # prompt tokens of every row: what the prefill delivers
@@ -299,7 +301,7 @@ def main(argv=None):
         args.response_cap = 192 if args.preset == "tiny" else 1024
     os.environ.setdefault("LOGRA_CPU_WHEN_GPUS_SHORT", "1")
     result = run(args)
-    print(json.dumps(result, indent=1) if args.json else table(result))
+    print(json.dumps(result) if args.json else table(result))  # one line: the last JSON line is the result
     return 0
 
 
