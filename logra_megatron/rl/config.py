@@ -243,8 +243,8 @@ class ParallelConfig:
     def __post_init__(self):
         _at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
-            raise UserError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
-                            f"--tensor-model-parallel-size > 1, got {self.tensor_model_parallel_size}")
+            raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                            f"over the tensor-parallel ranks), got {self.tensor_model_parallel_size}")
 
 
 DEFAULT_PROMPTS_PER_STEP = 16
