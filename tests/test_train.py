@@ -320,8 +320,8 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--held-out-fraction", "1.5"], "--held-out-fraction must be strictly between 0 and 1"),
     (["--warmup-min-lr", "1.0"], "--warmup-min-lr must be between 0 and --warmup-lr"),
     (["--exit-interval", "-1"], "--exit-interval must be >= 0"),
-    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the "
-                              "sequence over the tensor-parallel ranks), got 1"),
+    pytest.param(["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
+                 "the sequence over the tensor-parallel ranks), got 1", id="sequence-parallel-at-tp1"),
 ])
 def test_bad_flags_are_one_clear_line(args, message):
     proc = train(args, timeout=120)
