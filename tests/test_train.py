@@ -148,7 +148,7 @@ def sequence_parallel_runs(base, tmp_path_factory):
     --sequence-parallel (packed, and padded with --no-pack-sequences), at --max-new-tokens 5:
     rollouts 9 columns wide, so the padded passes (loss, log-probs, KL probe and realized KL)
     must widen them to split the sequence over TP, and the packed ones fill their parts to an
-    even length. Plus a supervised warm-up under SP (its rows' width, 13 inputs at the default
+    even length (3 probe rows: their parts need filling here, 4 rows happen to hold an even count). Plus a supervised warm-up under SP (its rows' width, 13 inputs at the default
     --max-new-tokens, is odd too), and the evaluations' sampling (without SP) in every run."""
     root = tmp_path_factory.mktemp("sequence_parallel")
     tp2 = ["--tensor-model-parallel-size", "2"]
@@ -156,7 +156,8 @@ def sequence_parallel_runs(base, tmp_path_factory):
     for name, extra in (("tp2", tp2), ("tp2-sp", [*tp2, "--sequence-parallel"]),
                         ("tp2-sp-padded", [*tp2, "--sequence-parallel", "--no-pack-sequences"])):
         out = root / name
-        proc = train([*SMALL, *extra, "--max-new-tokens", "5", "--train-iters", "2", "--load", str(base[2]),
+        proc = train([*SMALL, *extra, "--max-new-tokens", "5", "--kl-probe-sequences", "3", "--train-iters", "2",
+                      "--load", str(base[2]),
                       "--ckpt-step", "1", "--no-load-optim", "--output-dir", str(out),
                       "--save", str(root / f"{name}-ckpt")], 2)
         assert proc.returncode == 0, proc.stderr[-4000:]
