@@ -148,7 +148,8 @@ def sequence_parallel_runs(base, tmp_path_factory):
     --sequence-parallel (packed, and padded with --no-pack-sequences), at --max-new-tokens 5:
     rollouts 9 columns wide, so the padded passes (loss, log-probs, KL probe and realized KL)
     must widen them to split the sequence over TP, and the packed ones fill their parts to an
-    even length (3 probe rows: their parts need filling here, 4 rows happen to hold an even count). Plus a supervised warm-up under SP (its rows' width, 13 inputs at the default
+    even length (3 probe rows: their parts need filling here, 4 rows happen to hold an even
+    count). Plus a supervised warm-up under SP (its rows' width, 13 inputs at the default
     --max-new-tokens, is odd too), and the evaluations' sampling (without SP) in every run."""
     root = tmp_path_factory.mktemp("sequence_parallel")
     tp2 = ["--tensor-model-parallel-size", "2"]
@@ -323,6 +324,9 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--exit-interval", "-1"], "--exit-interval must be >= 0"),
     pytest.param(["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
                  "the sequence over the tensor-parallel ranks), got 1", id="sequence-parallel-at-tp1"),
+    # not a trainer flag (no context-parallel path: docs/SCALING.md): refused, not ignored
+    pytest.param(["--context-parallel-size", "2"], "unrecognized arguments: --context-parallel-size",
+                 id="context-parallel"),
 ])
 def test_bad_flags_are_one_clear_line(args, message):
     proc = train(args, timeout=120)
