@@ -324,6 +324,8 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--exit-interval", "-1"], "--exit-interval must be >= 0"),
     pytest.param(["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
                  "the sequence over the tensor-parallel ranks), got 1", id="sequence-parallel-at-tp1"),
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--logra-embeddings"],
+                 "--logra-embeddings does not run under --sequence-parallel", id="sequence-parallel-embeddings"),
     # not a trainer flag (no context-parallel path: docs/SCALING.md): refused, not ignored
     pytest.param(["--context-parallel-size", "2"], "unrecognized arguments: --context-parallel-size",
                  id="context-parallel"),

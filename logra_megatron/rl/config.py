@@ -456,6 +456,9 @@ class TrainConfig:
                             f"got {self.optimizer.kind}")
         if self.logra.master == "bf16-sr" and not self.model.bf16:
             raise UserError("--logra-master bf16-sr rounds into bf16 weights: it needs --bf16")
+        if self.parallel.sequence_parallel and self.logra.embeddings and self.optimizer.sketched:
+            raise UserError("--logra-embeddings does not run under --sequence-parallel (the sketched embedding "
+                            "takes no sequence-parallel output); drop one of them")
         if self.logra.zero1 != self.optimizer.distributed:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, zero1=self.optimizer.distributed))
         # --global-batch-size counts rows, --prompts-per-step prompts: one number decides both.
