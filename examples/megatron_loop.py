@@ -52,11 +52,9 @@ def build_parser():
     add_flags(parser, ModelSourceConfig, "preset", "bf16")
     parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: the preset's)")
     add_flags(parser, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "overlap_grad_reduce")
+              "overlap_grad_reduce", "sequence_parallel")
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         help="Megatron's interleaved pipeline: layers per model chunk (PP > 1)")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="Megatron's sequence parallelism (TP > 1)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="Megatron's: the distributed optimizer's parameter all-gather overlapped with the forward")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,
@@ -93,8 +91,6 @@ def parse_args(argv):
             raise UserError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
                             f"and must divide the {per_stage} layers of a pipeline stage")
         args.virtual_pipeline = per_stage // args.num_layers_per_virtual_pipeline_stage
-    if args.sequence_parallel and args.tensor_model_parallel_size < 2:
-        raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     decay_iters = args.lr_decay_iters or args.train_iters  # Megatron's default: --train-iters
     if args.train_iters > 0 and args.lr_warmup_iters >= decay_iters:
         over = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"

@@ -142,6 +142,70 @@ def test_grpo_step_matches_tp1(layouts, layout):
     assert_same_weights(weights, reference_weights, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def sequence_parallel_runs(base, tmp_path_factory):
+    """RL step 1 at TP=2 from the base run's weights after step 0, without and with
+    --sequence-parallel (packed, and padded with --no-pack-sequences), at --max-new-tokens 5:
+    rollouts 9 columns wide, so the padded passes (loss, log-probs, KL probe and realized KL)
+    must widen them to split the sequence over TP, and the packed ones fill their parts to an
+    even length (3 probe rows: their parts need filling here, 4 rows happen to hold an even
+    count). Plus a supervised warm-up under SP (its rows' width, 13 inputs at the default
+    --max-new-tokens, is odd too), and the evaluations' sampling (without SP) in every run."""
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    runs = {}
+    for name, extra in (("tp2", tp2), ("tp2-sp", [*tp2, "--sequence-parallel"]),
+                        ("tp2-sp-padded", [*tp2, "--sequence-parallel", "--no-pack-sequences"])):
+        out = root / name
+        proc = train([*SMALL, *extra, "--max-new-tokens", "5", "--kl-probe-sequences", "3", "--train-iters", "2",
+                      "--load", str(base[2]),
+                      "--ckpt-step", "1", "--no-load-optim", "--output-dir", str(out),
+                      "--save", str(root / f"{name}-ckpt")], 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = (metrics(out), json.loads((out / "summary.json").read_text()),
+                      saved_weights(root / f"{name}-ckpt"))
+    out = root / "warmup-sp"
+    proc = train([*SMALL, *tp2, "--sequence-parallel", "--warmup-iters", "2", "--train-iters", "0",
+                  "--output-dir", str(out)], 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs["warmup-sp"] = ([json.loads(line) for line in open(out / "metrics.jsonl")],
+                         json.loads((out / "summary.json").read_text()))
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "tp2-sp-padded"])
+def test_sequence_parallelism_gives_tp2s_grpo_step(sequence_parallel_runs, layout):
+    reference, reference_summary, reference_weights = sequence_parallel_runs["tp2"]
+    rows, summary, weights = sequence_parallel_runs[layout]
+    # the flag reached the model (the summary reads the built model's Megatron config)
+    assert summary["sequence_parallel"] is True and reference_summary["sequence_parallel"] is False
+    assert [row["step"] for row in rows] == [row["step"] for row in reference] == [1]
+    assert_not_degenerate(reference)
+    for key in ("held_out_accuracy_initial", "held_out_accuracy_before", "held_out_accuracy_after"):
+        assert summary[key] == reference_summary[key]
+    for ours, theirs in zip(rows, reference):
+        assert ours["reward_mean"] == theirs["reward_mean"] and ours["reward_std"] == theirs["reward_std"]
+        for key in ("loss", "entropy", "kl_pred", "kl_realized", "grad_norm", "step_scale"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-8), key
+    assert_same_weights(weights, reference_weights, rtol=1e-5, atol=1e-5)
+
+
+def test_supervised_warmup_under_sequence_parallelism_gives_tp1s_losses(base, sequence_parallel_runs):
+    """The base run (TP=1) warms up with the same constant lr, so its first two iterations are
+    these: the losses, and the first gradient norm (the second one differs between TP=1 and TP=2,
+    with or without SP, by ~1e-4: the range-finder refresh after the first step, see ``layouts``)."""
+    rows, summary = sequence_parallel_runs["warmup-sp"]
+    assert summary["sequence_parallel"] is True and summary["warmup_iters"] == 2
+    warmup = [row for row in rows if row["phase"] == "warmup"]
+    reference = [json.loads(line) for line in open(base[2].parent / "base" / "metrics.jsonl")][:2]
+    assert [row["step"] for row in warmup] == [row["step"] for row in reference] == [0, 1]
+    assert all(row["phase"] == "warmup" for row in reference)
+    for ours, theirs in zip(warmup, reference):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert warmup[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-5)
+    assert summary["held_out_accuracy_initial"] == base[1]["held_out_accuracy_initial"]
+
+
 def test_evaluation_cli_at_tp2_equals_tp1_and_the_trainers_final_evaluation(base, tmp_path):
     _, summary, checkpoint = base
     reports = {}
@@ -258,6 +322,13 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--held-out-fraction", "1.5"], "--held-out-fraction must be strictly between 0 and 1"),
     (["--warmup-min-lr", "1.0"], "--warmup-min-lr must be between 0 and --warmup-lr"),
     (["--exit-interval", "-1"], "--exit-interval must be >= 0"),
+    pytest.param(["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
+                 "the sequence over the tensor-parallel ranks), got 1", id="sequence-parallel-at-tp1"),
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--logra-embeddings"],
+                 "--logra-embeddings does not run under --sequence-parallel", id="sequence-parallel-embeddings"),
+    # not a trainer flag (no context-parallel path: docs/SCALING.md): refused, not ignored
+    pytest.param(["--context-parallel-size", "2"], "unrecognized arguments: --context-parallel-size",
+                 id="context-parallel"),
 ])
 def test_bad_flags_are_one_clear_line(args, message):
     proc = train(args, timeout=120)

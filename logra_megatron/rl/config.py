@@ -234,9 +234,17 @@ class ParallelConfig:
     overlap_grad_reduce: bool = option(
         False, help="Megatron's: the data-parallel gradient reduction in buckets during the backward; with LoGRA "
                     "the sketches' too (each bucket's all-reduce starts when its layers' backward is done)")
+    sequence_parallel: bool = option(
+        False, help="Megatron's: with --tensor-model-parallel-size > 1, the activations outside the tensor-"
+                    "parallel linears (layer norms, dropout, residuals) are split along the sequence over the "
+                    "TP ranks; the linears all-gather their input and reduce-scatter their output (the "
+                    "sketching linears too). Sampling runs without it (one token per decode step)")
 
     def __post_init__(self):
         _at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                            f"over the tensor-parallel ranks), got {self.tensor_model_parallel_size}")
 
 
 DEFAULT_PROMPTS_PER_STEP = 16
@@ -448,6 +456,9 @@ class TrainConfig:
                             f"got {self.optimizer.kind}")
         if self.logra.master == "bf16-sr" and not self.model.bf16:
             raise UserError("--logra-master bf16-sr rounds into bf16 weights: it needs --bf16")
+        if self.parallel.sequence_parallel and self.logra.embeddings and self.optimizer.sketched:
+            raise UserError("--logra-embeddings does not run under --sequence-parallel (the sketched embedding "
+                            "takes no sequence-parallel output); drop one of them")
         if self.logra.zero1 != self.optimizer.distributed:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, zero1=self.optimizer.distributed))
         # --global-batch-size counts rows, --prompts-per-step prompts: one number decides both.

@@ -20,6 +20,7 @@ so no padding is computed. The per-token log-probs come back in the padded ``[b,
 of the microbatch's rows, and the loss is the same function of them.
 """
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -41,6 +42,30 @@ from logra_megatron.training.lm import packed_forward, padded_forward
 # is a maximum; the others are per-microbatch means (weighted by the microbatch's share of tokens).
 _NORMALIZED_BY_BATCH_COUNT = ("loss", "pg_loss", "kl")
 _MAXIMA = ("ratio_max",)
+
+
+def sequence_multiple(model) -> int:
+    """What every sequence length ``model`` runs on must divide by: the TP size under Megatron's
+    sequence parallelism (the activations are split along the sequence over TP), else 1."""
+    return parallel.tp_size() if unwrap_model(model).config.sequence_parallel else 1
+
+
+def widen_to_multiple(rollouts: Rollouts, multiple: int) -> Rollouts:
+    """``rollouts`` left-padded by as few columns as make their width a multiple of ``multiple``
+    (the padded passes under sequence parallelism). The new columns are masked padding (token 0,
+    position 0, no log-prob), so every row computes what it did: each attends to its own real
+    tokens at its own rotary positions."""
+    extra = -rollouts.tokens.shape[1] % multiple
+    if extra == 0:
+        return rollouts
+
+    def left(tensor):
+        return None if tensor is None else torch.cat([tensor.new_zeros(tensor.shape[0], extra), tensor], dim=1)
+
+    return dataclasses.replace(
+        rollouts, tokens=left(rollouts.tokens), attention_mask=left(rollouts.attention_mask),
+        response_mask=left(rollouts.response_mask), position_ids=left(rollouts.position_ids),
+        logprobs=left(rollouts.logprobs), prompt_width=rollouts.prompt_width + extra)
 
 
 def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict, device: torch.device):
@@ -66,8 +91,7 @@ def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict
     stages exchange activations of one shape); with sequence parallelism to a multiple of TP."""
     lengths = rollouts.attention_mask.sum(dim=1).tolist()
     bins = token_bins(lengths, max_tokens)
-    config = unwrap_model(model).config
-    multiple = parallel.tp_size() if config.sequence_parallel else 1
+    multiple = sequence_multiple(model)
     totals = [sum(lengths[row] for row in rows) for rows in bins]
     pad_to = [None] * len(bins)
     if parallel.pp_size() > 1 or multiple > 1:
@@ -97,6 +121,9 @@ def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=N
     else:
         batches = list(_microbatches(rollouts, micro_batch_size, extra or {}, device))
         seq_length, rows_per_call = rollouts.tokens.shape[1], micro_batch_size
+        if seq_length % sequence_multiple(model):  # (the trainer widens them: widen_to_multiple)
+            raise ValueError(f"rollouts of width {seq_length} cannot be split over {sequence_multiple(model)} "
+                             "sequence-parallel ranks; widen them with widen_to_multiple")
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -239,12 +266,13 @@ def probe_rows(rollouts: Rollouts, count: int, offset: float = 0.0) -> torch.Ten
 
 
 def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, vocab_size: Optional[int],
-              pack: bool = False, max_tokens: int = 0) -> ProbeSet:
+              pack: bool = False, max_tokens: int = 0, multiple: int = 1) -> ProbeSet:
     """The KL controller's view of some rollouts: their own padding mask and positions, and
     the response positions (position t predicts token t + 1) as the tokens that count. With
     ``pack`` the rows are bin-packed as the GRPO passes pack them (at most ``max_tokens`` real
     tokens a part; 0: ``micro_batch_size`` rows' worth), so the probe's forward passes compute
-    no padding."""
+    no padding but filler to a multiple of ``multiple`` tokens (:func:`sequence_multiple`; the
+    padded rows must already be as wide as that: :func:`widen_to_multiple`)."""
     mask = torch.zeros(len(rows), rollouts.tokens.shape[1], device=rollouts.tokens.device)
     mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
     micro_batch_size = max(1, min(micro_batch_size, len(rows)))
@@ -255,7 +283,9 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
         packed, packed_rows = [], []
         for part in token_bins(attention_mask.sum(dim=1).tolist(), budget):
             index = torch.tensor(part, dtype=torch.long, device=tokens.device)
-            rows_packed = pack_rows(tokens[index], attention_mask[index])
+            real_tokens = int(attention_mask[index].sum())
+            rows_packed = pack_rows(tokens[index], attention_mask[index],
+                                    pad_to=-(-real_tokens // multiple) * multiple)
             part_mask = torch.zeros_like(rows_packed.tokens, dtype=mask.dtype)
             real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
             part_mask[0, :rows_packed.real_tokens] = real
@@ -267,12 +297,14 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
 
 
 def probe_and_held_out(rollouts: Rollouts, count: int, micro_batch_size: int, vocab_size: Optional[int],
-                       pack: bool = False, max_tokens: int = 0) -> Tuple[ProbeSet, Optional[ProbeSet]]:
+                       pack: bool = False, max_tokens: int = 0,
+                       multiple: int = 1) -> Tuple[ProbeSet, Optional[ProbeSet]]:
     """The probe (``count`` rows spread over the batch's prompts) and as many other rows, half a
     spacing further, for the realized KL out of sample (None when the batch has no room);
-    ``pack``, ``max_tokens``: as :func:`probe_set` takes them."""
+    ``pack``, ``max_tokens``, ``multiple``: as :func:`probe_set` takes them."""
     probe = probe_rows(rollouts, count)
     held_out = probe_rows(rollouts, count, offset=0.5)
     held_out = held_out[~torch.isin(held_out, probe)]
-    return (probe_set(rollouts, probe, micro_batch_size, vocab_size, pack, max_tokens),
-            probe_set(rollouts, held_out, micro_batch_size, vocab_size, pack, max_tokens) if len(held_out) else None)
+    options = {"pack": pack, "max_tokens": max_tokens, "multiple": multiple}
+    return (probe_set(rollouts, probe, micro_batch_size, vocab_size, **options),
+            probe_set(rollouts, held_out, micro_batch_size, vocab_size, **options) if len(held_out) else None)

@@ -27,6 +27,7 @@ def plan_settings(config, world_size: int, seq_length: int, optimizer: str) -> P
     recompute = config.recompute
     return PlanSettings(
         model=config.model_config, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+        sequence_parallel=config.parallel.sequence_parallel,
         optimizer=optimizer, distributed_optimizer=config.optimizer.distributed, bf16=config.model.bf16,
         logra=config.logra, kl_control=config.kl.mode, kl_probe_sequences=config.kl.probe_sequences,
         micro_batch_size=micro, global_batch_size=(step_rows // micro) * micro * dp,

@@ -28,13 +28,15 @@ from logra_megatron.errors import UserError
 from logra_megatron.faults import kill_point, nan_point
 from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
+from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.balancing import balance_batch
 from logra_megatron.rl.checkpointing import (check_shared_checkpoints, load_training_state, optimizer_compatibility,
                                              save_training_state)
 from logra_megatron.rl.config import TrainConfig, lr_phases_line, resolve, run_inputs, widened_heads_line
-from logra_megatron.rl.grpo import policy_loss_backward, probe_and_held_out, sequence_logprobs
+from logra_megatron.rl.grpo import (policy_loss_backward, probe_and_held_out, sequence_logprobs, sequence_multiple,
+                                     widen_to_multiple)
 from logra_megatron.rl.evaluation import EvalResult, evaluate_records
 from logra_megatron.rl.memory_plan import plan_line, plan_summary
 from logra_megatron.rl.metrics import MetricsLogger
@@ -199,7 +201,8 @@ def build(config: TrainConfig) -> Run:
                                             dtype=_dtype(config), seed=config.run.seed,
                                             recompute=config.recompute,
                                             attention_backend=config.model.attention_backend,
-                                            overlap_grad_reduce=config.parallel.overlap_grad_reduce)
+                                            overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+                                            sequence_parallel=config.parallel.sequence_parallel)
     state = TrainerState()
     if config.load_dir:
         state = TrainerState.from_checkpoint(load_training_state(
@@ -256,6 +259,9 @@ def supervised_warmup(run: Run) -> None:
         decay_steps=max(1, warmup.iters - 1), decay_style="constant" if warmup.min_lr is None else "cosine",
         weight_decay=config.optimizer.weight_decay)
     seq_length = rollout_length(run) + SEQ_LENGTH_MARGIN
+    # The model sees tokens[:, :-1]; under sequence parallelism their width divides by TP.
+    multiple = sequence_multiple(run.model)
+    seq_length = 1 + -(-(seq_length - 1) // multiple) * multiple
     batch = config.rollout.prompts_per_step * config.advantages.group_size
     for step in range(warmup.iters):
         records = _my_share(run.tasks.train_prompts(batch, step=WARMUP_PROMPT_STREAM + step))
@@ -315,6 +321,8 @@ def rl_step(run: Run, step: int) -> dict:
     micro = min(config.run.micro_batch_size, batch.num_sequences)
     temperature = config.sampling.temperature
     packing = packing_options(config)
+    if not packing["pack"]:  # padded passes (the probe's too) split the batch's width over SP's ranks
+        batch = widen_to_multiple(batch, sequence_multiple(ddp))
     old_logprobs, _ = sequence_logprobs(ddp, batch, micro, temperature, run.vocab, **packing)
     # The engine's own log-probs of the sampled tokens (engines that return them), laid out like
     # old_logprobs (position t scores token t + 1): --tis-cap's weights and the mismatch metrics.
@@ -386,7 +394,7 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
     # the realized KL out of sample. They are rows of this minibatch, so the loss's forward keeps
     # their s = 0 logits for the controller (no forward pass of the probe recomputes them).
     probe, held_out = probe_and_held_out(rollouts, config.kl.probe_sequences, micro, run.vocab,
-                                         **packing_options(config))
+                                         multiple=sequence_multiple(ddp), **packing_options(config))
     step_logits = run.controller.step_logits(probe, held_out)
     loss_metrics = policy_loss_backward(ddp, rollouts, advantages, old_logprobs, micro, config.loss,
                                         ref_logprobs=ref_logprobs, temperature=config.sampling.temperature,
@@ -490,6 +498,8 @@ def write_summary(run: Run, finished: bool) -> dict:
         "tensor_model_parallel_size": parallel.tp_size(),
         "pipeline_model_parallel_size": parallel.pp_size(),
         "data_parallel_size": parallel.dp_size(),
+        # the model as built (Megatron's config), not the flag: what the run really did
+        "sequence_parallel": bool(unwrap_model(run.model).config.sequence_parallel),
     })
     summary["reward_failures"] = dict(run.reward.failures)
     run.reward.close()
@@ -544,7 +554,8 @@ def frozen_reference(run: Run) -> torch.nn.Module:
     """A frozen copy of the policy as it enters the RL phase (after any warm-up; on a resumed
     run, as it was at the resume point), for the KL-to-reference penalty."""
     model_config = run.config.model_config
-    config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=_dtype(run.config))
+    config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=_dtype(run.config),
+                                sequence_parallel=run.config.parallel.sequence_parallel)
     spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=run.config.model.attention_backend)
     reference = build_gpt_model(model_config, config, spec)
     reference.load_state_dict(run.model.state_dict())  # built on the policy's device

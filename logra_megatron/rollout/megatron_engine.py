@@ -75,6 +75,7 @@ from megatron.core import parallel_state
 from megatron.core.inference.communication_utils import recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron import parallel
@@ -164,6 +165,24 @@ def packs_prefill(model) -> bool:
 
 
 @contextlib.contextmanager
+def without_sequence_parallel(model):
+    """Within the block, ``model`` (a trainer's model built with ``--sequence-parallel``) runs
+    without sequence parallelism: a decode step feeds one token per row, which cannot be split
+    over the TP ranks, and the padded prefill's width need not divide by TP. The two compute the
+    same function (SP only moves where the activations outside the linears live); Megatron's own
+    ``set_model_to_sequence_parallel`` switches the model's config and its layers' flags."""
+    gpt = unwrap_model(model)
+    if not gpt.config.sequence_parallel:
+        yield
+        return
+    set_model_to_sequence_parallel(gpt, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(gpt, True)
+
+
+@contextlib.contextmanager
 def _output_rows(model, index: torch.Tensor):
     """Within the block, this stage's output layer (last stage only) computes the logits of the
     packed positions ``index`` alone: ``[len(index), V]`` instead of one row per packed token."""
@@ -238,8 +257,14 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, pa
     Collective over the tensor- and pipeline-parallel groups: every rank of a model replica calls
     it with the same prompts and config. Returns the same :class:`Rollouts` on all those ranks.
     ``pack``: prefill the prompts packed (:func:`prefill_packed`) where the model allows it
-    (:func:`packs_prefill`); False, or a model that does not, prefills the padded block.
+    (:func:`packs_prefill`); False, or a model that does not, prefills the padded block. A model
+    built with sequence parallelism samples without it (:func:`without_sequence_parallel`).
     """
+    with without_sequence_parallel(model):
+        return _generate(model, prompts, config, pack)
+
+
+def _generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, pack: bool) -> Rollouts:
     gpt = unwrap_model(model)
     device = model_device(gpt)
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
