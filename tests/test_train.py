@@ -309,7 +309,7 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--lr", "fast"], "argument --lr: invalid float value"),
-    (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["--optimizer", "sgd"], "unknown optimizer 'sgd' (--optimizer)"),
     (["--train-iters", "-1"], "--train-iters must be >= 0"),
     (["--kl-target", "0"], "--kl-target must be > 0"),
     (["--logra-rank", "1000"], "larger than the matrix"),
