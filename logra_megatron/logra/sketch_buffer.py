@@ -32,6 +32,7 @@ from logra_megatron.logra.sketch_overlap import OverlappedSketchReduction
 from logra_megatron.logra.update_memory import ELEMENT, LINE  # noqa: F401 (layouts of a rule's state)
 from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
+from logra_megatron.ops.multiples import round_up
 from logra_megatron.ops.norms import squared_norm
 from logra_megatron.seeding import name_seed
 
@@ -169,7 +170,7 @@ class SketchBuffer:
                 offsets[index] = total
                 total += numels[index]
             if self.zero1:  # each bucket splits evenly over DP
-                total = -(-total // self.dp) * self.dp
+                total = round_up(total, self.dp)
             spans.append((start, total))
         padded = total
         device = model_device(models[0])  # every piece of LoGRA's state lives with the model

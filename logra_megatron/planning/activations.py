@@ -93,6 +93,7 @@ from typing import Dict
 from logra_megatron.errors import UserError
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.budgets import KL_CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS, SR_BLOCK_ELEMENTS, kl_chunk_rows
+from logra_megatron.ops.multiples import ceil_div, round_up
 from logra_megatron.planning import state as state_model
 from logra_megatron.planning.settings import PlanSettings
 
@@ -912,7 +913,7 @@ class _Step:
             return 0
         largest = max(p.numel for p in dense)
         if self.settings.distributed_optimizer:
-            largest = -(-largest // self.settings.data_parallel)
+            largest = ceil_div(largest, self.settings.data_parallel)
         return largest
 
     def _dense_step(self) -> None:
@@ -985,7 +986,7 @@ class _Step:
         length = probe_row_tokens(self.settings)
         # Under SP the sequence a pass splits over TP is taken up to a multiple of TP (the
         # padding rl/grpo.py gives training microbatches; none where it is already one).
-        whole = (lambda tokens: -(-tokens // saved_dims.sp) * saved_dims.sp)
+        whole = (lambda tokens: round_up(tokens, saved_dims.sp))
         if self.settings.packed:
             self.dims = Dims(**{**saved_dims.__dict__, "b": 1, "s": whole(rows * length), "segment": length})
         else:
@@ -1174,7 +1175,7 @@ def probe_layout(settings: PlanSettings) -> tuple:
         per_pass = max(1, min(rows, settings.tokens_per_microbatch // probe_row_tokens(settings)))
     else:
         per_pass = max(1, min(settings.micro_batch_size, rows))
-    return per_pass, -(-rows // per_pass)
+    return per_pass, ceil_div(rows, per_pass)
 
 
 def probe_row_tokens(settings: PlanSettings) -> int:
@@ -1219,7 +1220,7 @@ def global_buffer_bytes(settings: PlanSettings, stage: int = 0) -> int:
             # (the probe's sequence taken up to a multiple of TP, as _Step._probe_pass does)
             rows, _ = probe_layout(settings)
             tp, length = settings.tensor_parallel, probe_row_tokens(settings)
-            whole = (lambda tokens: -(-tokens // tp) * tp)
+            whole = (lambda tokens: round_up(tokens, tp))
             probe = whole(rows * length) if settings.packed else rows * whole(length)
             tokens = max(settings.tokens_per_microbatch, probe if settings.kl_control != "off" else 0)
             elements = max(elements, tokens * model.hidden)

@@ -13,6 +13,7 @@ from typing import Optional
 from logra_megatron.errors import UserError
 from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULES, LogRAConfig, add_rank_arguments, rank_settings
 from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
+from logra_megatron.ops.multiples import ceil_div
 from logra_megatron.planning.settings import (MOMENT_DTYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ROWS,
                                               PlanSettings, RolloutPlan, settings_for_row)
 from logra_megatron.training.config import KL_MODES
@@ -172,7 +173,7 @@ def rollout_for(args, data_parallel: int) -> RolloutPlan:
     tokens = args.rollout_max_tokens if args.rollout_max_tokens is not None else args.seq_length
     if tokens < 1:
         raise UserError(f"--rollout-max-tokens must be >= 1, got {tokens}")
-    per_replica = -(-args.rollout_sequences // data_parallel)
+    per_replica = ceil_div(args.rollout_sequences, data_parallel)
     return RolloutPlan(sequences_in_flight=per_replica, max_tokens=tokens if per_replica else 0,
                        dtype_bytes=2, separate_weights=args.rollout_engine_weights == "separate")
 

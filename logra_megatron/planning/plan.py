@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from logra_megatron.errors import UserError
+from logra_megatron.ops.multiples import ceil_div
 from logra_megatron.planning import activations
 from logra_megatron.planning.settings import PlanSettings, settings_for_row
 from logra_megatron.planning.state import (HOST_COMPONENTS, TRANSIENT_COMPONENTS, check_settings, stage_host_state,
@@ -171,7 +172,7 @@ def search_layouts(base: PlanSettings, gpus: int, gpu_memory_bytes: int,
             settings = replace(settings_for_row(base, optimizer), tensor_parallel=tp, pipeline_parallel=pp,
                                data_parallel=dp, sequence_parallel=base.sequence_parallel and tp > 1)
             if rollout_sequences is not None:
-                per_replica = -(-rollout_sequences // dp)
+                per_replica = ceil_div(rollout_sequences, dp)
                 settings = replace(settings, rollout=replace(
                     settings.rollout, sequences_in_flight=per_replica,
                     max_tokens=settings.rollout.max_tokens if per_replica else 0))

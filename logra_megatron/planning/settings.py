@@ -11,6 +11,7 @@ from typing import Optional
 
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models.config import ModelConfig, resolve_attention_backend
+from logra_megatron.ops.multiples import ceil_div, round_up
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -120,7 +121,7 @@ class PlanSettings:
             # Under sequence parallelism the trainer pads each packed microbatch to a multiple
             # of TP (rl/grpo.py ``_packed_microbatches``).
             multiple = self.tensor_parallel if self.sequence_parallel else 1
-            return -(-tokens // multiple) * multiple
+            return round_up(tokens, multiple)
         return self.micro_batch_size * self.seq_length
 
     @property
@@ -130,7 +131,7 @@ class PlanSettings:
         budget, rounded up (rows are bin-packed whole: a full bin may fall short of it)."""
         if self.packed:
             per_replica = max(1, self.global_batch_size // self.data_parallel)
-            return max(1, -(-(per_replica * self.seq_length) // self.tokens_per_microbatch))
+            return max(1, ceil_div(per_replica * self.seq_length, self.tokens_per_microbatch))
         return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel))
 
     @property

@@ -60,6 +60,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra import update_memory
 from logra_megatron.models.config import resolve_attention_backend
+from logra_megatron.ops.multiples import ceil_div, round_up
 from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
@@ -242,10 +243,6 @@ class DenseBuffer:
         return owned
 
 
-def _pad(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def dense_buffer(params: List[Parameter], dp: int, distributed: bool) -> DenseBuffer:
     """Megatron's ``_ParamAndGradBuffer`` layout for ``params`` (one buffer: every dense parameter
     of a stage has the same dtype; no bucket size limit, since the trainer does not overlap the
@@ -257,14 +254,14 @@ def dense_buffer(params: List[Parameter], dp: int, distributed: bool) -> DenseBu
 
     def close(end: int) -> int:
         nonlocal members, bucket_start
-        padded = _pad(end, bucket_multiple) if distributed else end
+        padded = round_up(end, bucket_multiple) if distributed else end
         buckets.append((bucket_start, padded, tuple(members)))
         members, bucket_start = [], padded
         return padded
 
     for param in reversed(params):
         if distributed:
-            position = _pad(position, PARAM_ALIGNMENT)
+            position = round_up(position, PARAM_ALIGNMENT)
         own_bucket = param.shared_embedding and distributed
         if own_bucket and members:
             position = close(position)
@@ -376,7 +373,7 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
         zero1 = distributed
         ranks = [sketch_rank(settings, p) for p in sketched]
         sketch_numel = sum(_sketch_numel(p, r) for p, r in zip(sketched, ranks))
-        flat = _pad(sketch_numel, dp) if zero1 else sketch_numel
+        flat = round_up(sketch_numel, dp) if zero1 else sketch_numel
         probes = norm_probes(settings)
         probe_samples = sum(probes * _lines(p) for p in sketched)
         state["sketch_bytes"] = (flat + probe_samples) * FP32
@@ -475,7 +472,7 @@ def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
             if elements < BLOCKWISE_8BIT_MIN_NUMEL:
                 moments += 2 * elements * FP32
             else:
-                moments += 2 * (elements + FP32 * -(-elements // BLOCKWISE_8BIT_BLOCK))
+                moments += 2 * (elements + FP32 * ceil_div(elements, BLOCKWISE_8BIT_BLOCK))
         gpu["moment_bytes"] = moments + len(mains) * ADAM_STEP_BYTES
     else:
         raise UserError(f"no dense optimizer {kind!r}")
@@ -536,5 +533,5 @@ def proposal_update_bytes(settings: PlanSettings, stage: int) -> int:
     sketched = [p for p in parameter_shapes(settings, stage) if p.sketch_side is not None]
     numel = sum(_sketch_numel(p, sketch_rank(settings, p)) for p in sketched)
     if settings.distributed_optimizer:
-        numel = _pad(numel, settings.data_parallel)
+        numel = round_up(numel, settings.data_parallel)
     return numel * FP32

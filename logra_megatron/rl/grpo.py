@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from logra_megatron import parallel
 from logra_megatron.models.build import model_device, unwrap_model
 from logra_megatron.models.positions import pack_rows
+from logra_megatron.ops.multiples import round_up
 from logra_megatron.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from logra_megatron.rl.losses import PolicyLossConfig, aggregation_count, policy_loss
 from logra_megatron.rollout.types import Rollouts
@@ -96,7 +97,7 @@ def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict
     pad_to = [None] * len(bins)
     if parallel.pp_size() > 1 or multiple > 1:
         common = max(totals) if parallel.pp_size() > 1 else None
-        pad_to = [-(-(common or total) // multiple) * multiple for total in totals]
+        pad_to = [round_up(common or total, multiple) for total in totals]
     for rows, length in zip(bins, pad_to):
         index = torch.tensor(rows, dtype=torch.long, device=rollouts.tokens.device)
         batch = {
@@ -121,8 +122,9 @@ def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=N
     else:
         batches = list(_microbatches(rollouts, micro_batch_size, extra or {}, device))
         seq_length, rows_per_call = rollouts.tokens.shape[1], micro_batch_size
-        if seq_length % sequence_multiple(model):  # (the trainer widens them: widen_to_multiple)
-            raise ValueError(f"rollouts of width {seq_length} cannot be split over {sequence_multiple(model)} "
+        multiple = sequence_multiple(model)
+        if seq_length % multiple:  # (the trainer widens them: widen_to_multiple)
+            raise ValueError(f"rollouts of width {seq_length} cannot be split over {multiple} "
                              "sequence-parallel ranks; widen them with widen_to_multiple")
 
     def forward_step(data_iterator, model):
@@ -285,7 +287,7 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
             index = torch.tensor(part, dtype=torch.long, device=tokens.device)
             real_tokens = int(attention_mask[index].sum())
             rows_packed = pack_rows(tokens[index], attention_mask[index],
-                                    pad_to=-(-real_tokens // multiple) * multiple)
+                                    pad_to=round_up(real_tokens, multiple))
             part_mask = torch.zeros_like(rows_packed.tokens, dtype=mask.dtype)
             real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
             part_mask[0, :rows_packed.real_tokens] = real

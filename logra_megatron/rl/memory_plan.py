@@ -3,6 +3,7 @@
 should hold, dense Adam beside the chosen optimizer, before the first step measures it."""
 
 from logra_megatron.errors import UserError
+from logra_megatron.ops.multiples import ceil_div
 from logra_megatron.planning.plan import plan_memory
 from logra_megatron.planning.settings import PlanSettings, RolloutPlan
 from logra_megatron.rl.packing import default_token_budget
@@ -35,7 +36,7 @@ def plan_settings(config, world_size: int, seq_length: int, optimizer: str) -> P
         seq_length=seq_length, recompute_granularity=recompute.granularity or "none",
         recompute_method=recompute.method, recompute_num_layers=recompute.num_layers,
         attention_backend=config.model.attention_backend, reference_model=config.loss.kl_coef > 0,
-        rollout=RolloutPlan(sequences_in_flight=-(-rollout_rows // dp), max_tokens=seq_length,
+        rollout=RolloutPlan(sequences_in_flight=ceil_div(rollout_rows, dp), max_tokens=seq_length,
                             dtype_bytes=2 if config.model.bf16 else 4, separate_weights=False))
 
 

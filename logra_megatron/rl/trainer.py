@@ -30,6 +30,7 @@ from logra_megatron.logra.accounting import state_bytes
 from logra_megatron.models import build_gpt_model, gpt_layer_spec, transformer_config
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import resolve_attention_backend
+from logra_megatron.ops.multiples import round_up
 from logra_megatron.rl.advantages import group_advantages
 from logra_megatron.rl.balancing import balance_batch
 from logra_megatron.rl.checkpointing import (check_shared_checkpoints, load_training_state, optimizer_compatibility,
@@ -261,7 +262,7 @@ def supervised_warmup(run: Run) -> None:
     seq_length = rollout_length(run) + SEQ_LENGTH_MARGIN
     # The model sees tokens[:, :-1]; under sequence parallelism their width divides by TP.
     multiple = sequence_multiple(run.model)
-    seq_length = 1 + -(-(seq_length - 1) // multiple) * multiple
+    seq_length = 1 + round_up(seq_length - 1, multiple)
     batch = config.rollout.prompts_per_step * config.advantages.group_size
     for step in range(warmup.iters):
         records = _my_share(run.tasks.train_prompts(batch, step=WARMUP_PROMPT_STREAM + step))
