@@ -51,3 +51,21 @@ def max_rel(a: dict, b: dict):
     errors = {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
     worst = max(errors, key=errors.get)
     return errors[worst], worst
+
+
+def save_then_step(path, model, ddp, optimizer, tokens, model_config, **sharded_options) -> dict:
+    """Save ``model`` and ``optimizer`` to ``path`` as the trainer does (dist_checkpointing, the
+    optimizer's sharded state beside the model's; ``sharded_options`` go to the optimizer's
+    ``sharded_state_dict``), then take one more step on ``tokens``: the full weights after it are
+    what a run resumed from ``path`` (at any layout) must reproduce."""
+    from logra_megatron.checkpoint import save_checkpoint
+    from logra_megatron.models.weights import full_state
+    from logra_megatron.training.lm import lm_forward_backward
+
+    extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), **sharded_options)}
+    save_checkpoint(path, model, model_config, extra_sharded=extra)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    lm_forward_backward(ddp, tokens, micro_batch_size=2)
+    optimizer.step()
+    return full_state(model)

@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from common import Checks, max_rel
+from common import Checks, max_rel, save_then_step
 
 from logra_megatron import parallel
 from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -113,13 +113,7 @@ def main():
 
     def save_then_continue():
         model, ddp, optimizer, _ = run(2, 1, steps=2)
-        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict())}
-        save_checkpoint(ckpt, model, MODEL, extra_sharded=extra)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        lm_forward_backward(ddp, tokens, micro_batch_size=2)
-        optimizer.step()
-        continued.update(full_state(model))
+        continued.update(save_then_step(ckpt, model, ddp, optimizer, tokens, MODEL))
         return True
 
     continued = {}
@@ -203,14 +197,8 @@ def main():
     def zero1_overlap_save_then_continue():
         model, ddp, optimizer, _ = zero1_overlap(2, hold=False, steps=2, split_batch=False)
         # Megatron's distributed optimizer (the dense part) saved per parameter, as the trainer does
-        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(),
-                                                           metadata=DISTRIBUTED_CHECKPOINT_METADATA)}
-        save_checkpoint(zero1_ckpt, model, MODEL, extra_sharded=extra)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        lm_forward_backward(ddp, tokens, micro_batch_size=2)
-        optimizer.step()
-        zero1_continued.update(full_state(model))
+        zero1_continued.update(save_then_step(zero1_ckpt, model, ddp, optimizer, tokens, MODEL,
+                                              metadata=DISTRIBUTED_CHECKPOINT_METADATA))
         return True
 
     def zero1_overlap_resume(tp, pp):

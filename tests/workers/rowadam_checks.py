@@ -9,10 +9,10 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from common import Checks
+from common import Checks, save_then_step
 
 from logra_megatron import parallel
-from logra_megatron.checkpoint import load_checkpoint, save_checkpoint
+from logra_megatron.checkpoint import load_checkpoint
 from logra_megatron.logra import LogRAConfig
 from logra_megatron.models import get_preset
 from logra_megatron.models.weights import full_state, load_full_state
@@ -114,17 +114,11 @@ def main():
     ckpt = f"{checks.args.out}/rowadam_ckpt"
     continued = {}
 
-    def save_then_step(model, ddp, optimizer, batch):
-        extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict())}
-        save_checkpoint(ckpt, model, MODEL, extra_sharded=extra)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        lm_forward_backward(ddp, batch, micro_batch_size=2)
-        optimizer.step()
-        continued.update(full_state(model))
+    def save_and_continue(model, ddp, optimizer, batch):
+        continued.update(save_then_step(ckpt, model, ddp, optimizer, batch, MODEL))
 
     def resume_at_tp1():
-        run(2, 1, steps=2, after_steps=save_then_step)
+        run(2, 1, steps=2, after_steps=save_and_continue)
         parallel.initialize(1, 1, seed=5)
         model, ddp, optimizer = build_trainable(MODEL, SETTINGS, LOGRA)
         extra = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)}
