@@ -59,6 +59,12 @@ def parse_args(argv=None):
     parser.add_argument("--overlap-grad-reduce", action="store_true",
                         help="Megatron's: the DP reduction in buckets during the backward (dense gradients and "
                              "LoGRA's sketches alike)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="Megatron's ZeRO-1: optimizer state (and LoGRA's sketch state) sharded over DP")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="Megatron's (with --use-distributed-optimizer and --overlap-grad-reduce): the "
+                             "updated dense weights all-gathered bucket by bucket ahead of the next forward; "
+                             "sketched weights are updated in place on every rank, never gathered")
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         help="Megatron's interleaved pipeline: layers per model chunk (several chunks per "
                              "pipeline rank; PP > 1)")
@@ -69,6 +75,9 @@ def parse_args(argv=None):
     args.recompute = RecomputeConfig(**schema.values_for(args, "recompute", RecomputeConfig))
     if args.fp16:
         parser.error("--fp16 is not supported: fp16 training needs loss scaling, which is not implemented")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+                     "(as Megatron-LM's)")
     if args.num_layers_per_virtual_pipeline_stage is not None and (args.load or args.report_json):
         parser.error("--num-layers-per-virtual-pipeline-stage runs without --load and --report-json "
                      "(they read one model chunk per rank)")
@@ -133,9 +142,10 @@ def run(args) -> list:
     parallel.initialize(layout.tensor_parallel, layout.pipeline_parallel, seed=args.seed,
                         virtual_pipeline=args.virtual_pipeline)
     bare_model, model, optimizer = build_trainable(
-        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr), logra_config, seed=args.seed,
-        recompute=args.recompute, attention_backend=args.attention_backend,
-        sequence_parallel=args.sequence_parallel, overlap_grad_reduce=args.overlap_grad_reduce)
+        model_config, OptimizerSettings(kind=args.optimizer, lr=args.lr, distributed=args.use_distributed_optimizer),
+        logra_config, seed=args.seed, recompute=args.recompute, attention_backend=args.attention_backend,
+        sequence_parallel=args.sequence_parallel, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather)
     if args.load:
         load_checkpoint(args.load, bare_model)
 

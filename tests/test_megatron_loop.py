@@ -168,6 +168,9 @@ def test_the_smoke_job_runs_sequence_parallel_overlapped_and_interleaved_on_tp1s
     assert len(reference) == 3
     assert smoke(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2) == pytest.approx(reference, rel=1e-5)
     assert smoke(["--overlap-grad-reduce"], 2) == pytest.approx(reference, rel=1e-5)
+    # ZeRO-1 with both of Megatron's overlaps: the dense weights' all-gather ahead of the next forward
+    assert smoke(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2) == \
+        pytest.approx(reference, rel=1e-5)
     # all of Megatron's at once (issue 31's command): TP2 x PP2, two model chunks a rank, SP, overlap
     everything = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                   "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel", "--overlap-grad-reduce"]
@@ -179,6 +182,7 @@ def test_the_smoke_job_runs_sequence_parallel_overlapped_and_interleaved_on_tp1s
     (["--num-layers-per-virtual-pipeline-stage", "1", "--report-json", "r.json"], "runs without --load and --report-json"),
     (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather needs --use-distributed-optimizer"),
 ])
 def test_the_smoke_job_refuses_what_it_cannot_run_in_one_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "logra_megatron.smoke", *args], capture_output=True, text=True,

@@ -25,8 +25,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
                     tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                     seed: int = 1234, recompute: Optional[RecomputeConfig] = None,
                     attention_backend: str = "auto", sequence_parallel: bool = False,
-                    overlap_grad_reduce: bool = False, ddp_bucket_size: Optional[int] = None,
-                    optimizer_overrides: Optional[dict] = None):
+                    overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                    ddp_bucket_size: Optional[int] = None, optimizer_overrides: Optional[dict] = None):
     """Returns ``(model, ddp_model, optimizer)``: the bare model (for state and inspection), the
     Megatron DDP wrapper (to run), and the optimizer (a Megatron-Core ``ChainedOptimizer``,
     :class:`~logra_megatron.optim.controlled.ControlledOptimizer`). The fresh weights are a
@@ -34,7 +34,11 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     recomputation in the backward (default: none). ``attention_backend``: the layers' core
     attention (``--attention-backend``: auto, sdpa or unfused). ``sequence_parallel`` and
     ``overlap_grad_reduce`` are Megatron's (the latter covers LoGRA's sketches too:
-    ``logra/sketch_overlap.py``); ``ddp_bucket_size`` is Megatron's ``--ddp-bucket-size`` (None:
+    ``logra/sketch_overlap.py``); ``overlap_param_gather`` is Megatron's too (with
+    ``settings.distributed``): the distributed optimizer's all-gather of the updated dense weights
+    runs bucket by bucket ahead of the next forward, not inside ``step()``; it concerns the dense
+    remainder only, as sketched weights are updated in place on every rank and never gathered.
+    ``ddp_bucket_size`` is Megatron's ``--ddp-bucket-size`` (None:
     its default). ``optimizer_overrides``: further ``OptimizerConfig`` fields (the benchmark's
     baseline rows: precision-aware Adam, CPU offload); a bf16 ``main_grads_dtype`` makes DDP reduce
     gradients in bf16. Under a virtual pipeline (process groups initialized with one)
@@ -53,8 +57,8 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     overrides = dict(optimizer_overrides or {})
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=overrides.get("main_grads_dtype", torch.float32) == torch.float32,
-        overlap_grad_reduce=overlap_grad_reduce, bucket_size=ddp_bucket_size,
-        use_distributed_optimizer=settings.distributed)
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        bucket_size=ddp_bucket_size, use_distributed_optimizer=settings.distributed)
     # One model chunk per virtual pipeline stage (Megatron's interleaved schedule, when the
     # process groups were initialized with one: parallel.initialize(virtual_pipeline=...)),
     # each in its own DDP; only the first chunk's buffers are bucketed, as Megatron-LM's get_model.
@@ -71,13 +75,17 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
         optimizer="adam", lr=settings.lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad, bf16=dtype == torch.bfloat16,
-        use_distributed_optimizer=settings.distributed, **overrides)
+        use_distributed_optimizer=settings.distributed, overlap_param_gather=overlap_param_gather, **overrides)
     optimizer = build_optimizer(settings.kind, optimizer_config, ddp_models, logra_config)
     if overlap_grad_reduce:
         # As Megatron-LM's train() does; read after the optimizer is built, whose sketch reduction
         # extends each chunk's no_sync.
         no_sync = [chunk.no_sync for chunk in ddp_models]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if overlap_param_gather:
+        # As Megatron-LM's train() does: the schedule starts each chunk's parameter all-gather.
+        param_sync = [chunk.start_param_sync for chunk in ddp_models]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     if virtual:
         return models, ddp_models, optimizer
     return models[0], ddp_models[0], optimizer
