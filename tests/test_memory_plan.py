@@ -4,6 +4,7 @@ planned state against the live tensors of tiny in-process runs, and the command 
 
 Multi-rank layouts are measured against the plan by logra_megatron/planning/validate.py."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -82,7 +83,7 @@ def test_pipeline_stages_place_embeddings_like_megatron():
     assert sharded["decoder.layers.0.input_layernorm.weight"] == (1536,)  # replicated
 
 
-def _built(kind, bf16=False, distributed=False, embeddings=False, update="adam", **model_changes):
+def _built(kind, bf16=False, distributed=False, embeddings=False, update="adam", bucket_size=None, **model_changes):
     """A tiny model built at TP 1 with its optimizer, one step taken under the KL controller."""
     import torch
 
@@ -96,7 +97,8 @@ def _built(kind, bf16=False, distributed=False, embeddings=False, update="adam",
     logra = LogRAConfig(rank=16, embeddings=embeddings, zero1=distributed, update=update)
     parallel.initialize(1, 1)
     model, ddp, optimizer = build_trainable(model_config, OptimizerSettings(kind=kind, distributed=distributed),
-                                            logra, dtype=torch.bfloat16 if bf16 else torch.float32)
+                                            logra, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                            overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size)
     tokens = torch.randint(0, model_config.vocab, (2, 17))
     probe = ProbeSet(tokens[:1], torch.ones(1, 17), micro_batch_size=1)
     ddp.zero_grad_buffer()
@@ -104,7 +106,8 @@ def _built(kind, bf16=False, distributed=False, embeddings=False, update="adam",
     lm_forward_backward(ddp, tokens, 2)
     control = PredictedKLController(KLControlConfig(mode="probe", realized_interval=0)).step(ddp, optimizer, probe)
     settings = PlanSettings(model=model_config, optimizer=kind, distributed_optimizer=distributed, bf16=bf16,
-                            logra=logra, kl_control="probe", micro_batch_size=2, global_batch_size=2)
+                            logra=logra, kl_control="probe", micro_batch_size=2, global_batch_size=2,
+                            overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size)
     return model, optimizer, control, settings
 
 
@@ -140,6 +143,39 @@ def test_planned_state_equals_the_live_tensors(kind, bf16, distributed, embeddin
     assert measured["weight_bytes"] > 0 and measured["moment_bytes"] > 0 and measured["controller_extra_bytes"] > 0
     assert (measured["sketch_bytes"] > 0) == (kind == "logra")
     assert (measured["master_bytes"] > 0) == bf16
+
+
+@pytest.mark.parametrize("kind", ("adam", "logra"))
+def test_planned_state_equals_the_live_tensors_with_overlapped_buckets(kind):
+    # --overlap-grad-reduce with small buckets under the distributed optimizer: Megatron pads every
+    # bucket's end to lcm(DP, 128) elements, so several buckets hold more than one would
+    model, optimizer, control, settings = _built(kind, True, True, bucket_size=64, tie_embeddings=True)
+    planned = stage_state(settings, 0)
+    assert {key: planned[key] for key in _measured(model, optimizer, control)} == _measured(model, optimizer, control)
+    one_bucket = stage_state(dataclasses.replace(settings, overlap_grad_reduce=False), 0)
+    assert planned["grad_bytes"] > one_bucket["grad_bytes"]
+
+
+def test_sketch_buckets_pad_to_the_data_parallel_size():
+    from logra_megatron.planning.state import sketch_buffer_numel
+
+    numels = [10, 7, 5, 3]
+    assert sketch_buffer_numel(numels, [False] * 4, 4, None) == 28  # one bucket of 25 elements
+    assert sketch_buffer_numel(numels, [False] * 4, 4, 12) == 20 + 8  # buckets [10, 7] and [5, 3]
+    assert sketch_buffer_numel(numels, [True, False, False, False], 4, 100) == 12 + 16  # the shared embedding alone
+    assert sketch_buffer_numel(numels, [False] * 4, 1, 12) == 25
+
+
+def test_cli_takes_megatrons_overlap_flags_with_its_rule():
+    base = ["--preset", "tiny", "--optimizer", "logra", "--use-distributed-optimizer", "--data-parallel-size", "2",
+            "--json"]
+    one = json.loads(_cli(*base).stdout)
+    overlapped = json.loads(_cli(*base, "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+                                 "2000").stdout)
+    assert overlapped != one
+    refused = _cli("--preset", "tiny", "--overlap-param-gather", check=False)
+    assert refused.returncode != 0 and "--overlap-param-gather needs --use-distributed-optimizer" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_logra_sketch_bytes_match_the_built_sketches_and_the_accounting():

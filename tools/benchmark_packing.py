@@ -41,6 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
+def progress(message):
+    """One line on stderr per stage of the run (stdout keeps the table or the one JSON line)."""
+    print(f"[benchmark_packing {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def ragged_batch(rows, prompt_min, prompt_max, cap, sigma, vocab, seed):
     """Left-padded prompts, right-padded responses (the engines' layout), and advantages, on the
     host (both layouts read the same rows; the GRPO passes move each microbatch to the model)."""
@@ -124,6 +129,7 @@ def engine_prefill(args, model, vocab, device, sync):
     model.eval()
     try:
         for pack in (False, True):
+            progress(f"engine prefill and evaluation, {'packed' if pack else 'padded'}")
             handle, calls = _attention_tokens(model)
             try:
                 prefill(pack)
@@ -175,6 +181,8 @@ def run(args):
     device = next(ddp.parameters()).device
     real = int(rollouts.attention_mask.sum())
     cells = rollouts.tokens.numel()
+    progress(f"{args.preset}: {args.rows} rows, {real} real tokens in {cells} padded cells "
+             f"(padding {100 * (1 - real / cells):.1f}%)")
     budget = args.max_tokens_per_microbatch or default_token_budget(args.micro_batch_size, rollouts.tokens.shape[1])
     loss_config = PolicyLossConfig()
     initial = {name: p.detach().clone() for name, p in ddp.named_parameters()}
@@ -196,14 +204,18 @@ def run(args):
         with torch.no_grad():  # every side starts from the same weights
             for name, p in ddp.named_parameters():
                 p.copy_(initial[name])
+        side = "packed" if pack else "padded"
+        progress(f"{side}: warm-up step")
         loss = step(pack)  # warm-up (allocator, kernels, lazily built state)
         times = []
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
+            progress(f"{side}: timed step {repeat + 1} of {args.repeats}")
             sync()
             start = time.perf_counter()
             step(pack)
             sync()
             times.append(time.perf_counter() - start)
+        progress(f"{side}: the step whose peak memory is tracked")
         with AllocationTracker(device) as track:
             step(pack)
         seconds = statistics.median(times)
@@ -275,9 +287,10 @@ def table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--rows", type=int, default=32, help="rows of the batch (prompts x group size)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows of the batch (prompts x group size; default: 32 for tiny, 16 otherwise)")
     parser.add_argument("--response-cap", type=int, default=None,
-                        help="longest response (default: 192 for tiny, 1024 otherwise)")
+                        help="longest response (default: 192 for tiny, 512 otherwise)")
     parser.add_argument("--prompt-min", type=int, default=16)
     parser.add_argument("--prompt-max", type=int, default=48)
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the response lengths")
@@ -288,7 +301,8 @@ def main(argv=None):
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 weights (on CUDA the packed side's attention is then the varlen flash kernel)")
     parser.add_argument("--logra-rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per layout, after a warm-up (default: 2 for tiny, 1 otherwise)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--engine-prompts", type=int, default=16,
                         help="prompts of the engine-prefill comparison (0: skip it)")
@@ -297,8 +311,20 @@ def main(argv=None):
                         help="engine: tokens generated per row in the evaluation's passes")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
+    # Beyond tiny, a batch that one CPU steps through in minutes: at 32 rows and a 1024-token cap
+    # (34k padded cells, [B, 1, S, S] attention) smollm2-135m's first padded step had not ended
+    # after 10 minutes on the project's 2-core machine (12 GB resident); at 16 rows and 512 the
+    # whole run takes ~17 minutes there, and the padding fraction, which sets the ratio, is alike.
+    tiny = args.preset == "tiny"
+    if args.rows is None:
+        args.rows = 32 if tiny else 16
     if args.response_cap is None:
-        args.response_cap = 192 if args.preset == "tiny" else 1024
+        args.response_cap = 192 if tiny else 512
+    if args.repeats is None:
+        args.repeats = 2 if tiny else 1
+    for name in ("rows", "response_cap", "repeats", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     os.environ.setdefault("LOGRA_CPU_WHEN_GPUS_SHORT", "1")
     result = run(args)
     print(json.dumps(result) if args.json else table(result))  # one line: the last JSON line is the result

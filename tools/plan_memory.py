@@ -20,6 +20,9 @@ busiest GPU), host bytes (``host_bytes`` per rank, ``host_total_bytes`` over the
 row under the row's name), ``--plot FILE.png`` draws a stacked bar per GPU (needs matplotlib), ``--validate``
 measures a small run against the plan (logra_megatron/planning/validate.py). ``--sequence-parallel``
 (TP > 1) plans Megatron's sequence parallelism (logra_megatron/planning/activations.py).
+``--overlap-grad-reduce`` (``--ddp-bucket-size``) plans Megatron's buckets, the dense gradient
+buffer's and LoGRA's sketch buffer's, each padded under ``--use-distributed-optimizer``;
+``--overlap-param-gather`` gathers into the same buffer and changes no byte.
 """
 
 import json

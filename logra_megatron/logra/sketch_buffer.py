@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from logra_megatron import parallel
+from logra_megatron.logra.buckets import plan_buckets
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
@@ -104,25 +105,6 @@ class Bucket:
         """``(first, last)``: the full-buffer range rank ``dp_rank`` owns of this bucket."""
         first = self.start + dp_rank * self.shard
         return first, first + self.shard
-
-
-def plan_buckets(numels: List[int], isolate: List[bool], bucket_numel: Optional[int]) -> List[List[int]]:
-    """Indices of consecutive weights per bucket: a bucket is closed once it holds at least
-    ``bucket_numel`` elements (None: one bucket for everything), and a weight marked in
-    ``isolate`` gets a bucket of its own (a tied embedding under ZeRO-1: its bucket is then laid
-    out alike on the first and the last pipeline stage, so the two stages' reduced parts of it
-    can be summed after the DP reduction, as Megatron buckets shared embeddings)."""
-    buckets: List[List[int]] = []
-    filled = 0
-    for index, numel in enumerate(numels):
-        closed = bool(buckets) and (isolate[buckets[-1][-1]] or isolate[index]
-                                    or (bucket_numel is not None and filled >= bucket_numel))
-        if not buckets or closed:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(index)
-        filled += numel
-    return buckets
 
 
 class SketchBuffer:

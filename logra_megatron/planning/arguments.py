@@ -51,6 +51,16 @@ def add_arguments(parser) -> None:
                         help="Megatron's sequence parallelism (TP > 1): norms, residual stream and pipeline "
                              "messages split along the sequence over the TP ranks; with --search, applied to "
                              "every layout with TP > 1")
+    layout.add_argument("--overlap-grad-reduce", action="store_true",
+                        help="Megatron's: the DP reduction in buckets during the backward (dense gradients and "
+                             "LoGRA's sketches); the bytes change only by each bucket's padding under "
+                             "--use-distributed-optimizer")
+    layout.add_argument("--overlap-param-gather", action="store_true",
+                        help="Megatron's (with --use-distributed-optimizer and --overlap-grad-reduce): the "
+                             "weights' all-gather ahead of the next forward, into the same buffer (no bytes change)")
+    layout.add_argument("--ddp-bucket-size", type=int, default=None,
+                        help="Megatron's: elements per gradient bucket with --overlap-grad-reduce "
+                             "(default max(4e7, 1e6 x DP))")
     layout.add_argument("--gpus", type=int, default=None, help="GPUs of the job (with --search: the GPUs to fill)")
     layout.add_argument("--gpus-per-node", type=int, default=8,
                         help="--search keeps tensor parallelism within a node (default 8)")
@@ -190,6 +200,11 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
                         zero1=args.use_distributed_optimizer)
     if args.kl_probe_sequences < 1:
         raise UserError(f"--kl-probe-sequences must be >= 1, got {args.kl_probe_sequences}")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise UserError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+                        "(as Megatron-LM's)")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise UserError(f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}")
     base = PlanSettings(
         model=model, tensor_parallel=args.tensor_model_parallel_size,
         pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=dp, optimizer="logra",
@@ -200,6 +215,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
         seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         sequence_parallel=getattr(args, "sequence_parallel", False),
+        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
         attention_backend=args.attention_backend, reference_model=args.reference_model,
         rollout=rollout_for(args, dp), exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
         optimizer_offload_fraction=args.optimizer_offload_fraction, main_grads_dtype=args.main_grads_dtype)

@@ -94,6 +94,12 @@ class PlanSettings:
     """Megatron's ``--sequence-parallel`` (TP > 1): the activations outside the tensor-parallel
     regions (norms, residual stream, pipeline messages) are split along the sequence over the TP
     ranks (planning/activations.py says which tensor is which)."""
+    overlap_grad_reduce: bool = False
+    """Megatron's ``--overlap-grad-reduce``: the gradient buffer (and LoGRA's sketch buffer) cut
+    into buckets of :attr:`bucket_size` elements, each reduced as the backward finishes it. The
+    bytes change only by the padding of each bucket's end under the distributed optimizer."""
+    ddp_bucket_size: Optional[int] = None
+    """Megatron's ``--ddp-bucket-size`` (None: its default, see :attr:`bucket_size`)."""
     attention_backend: str = "auto"
     """``--attention-backend``: ``sdpa`` (``auto``) keeps no ``b x heads x s x s`` scores;
     ``unfused`` (Megatron's DotProductAttention) does."""
@@ -104,6 +110,15 @@ class PlanSettings:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def bucket_size(self) -> Optional[int]:
+        """Elements per gradient bucket as Megatron's DDP sets it (megatron-core 0.16.1
+        ``distributed_data_parallel.py``): ``--ddp-bucket-size`` or ``max(4e7, 1e6 x DP)`` with
+        ``--overlap-grad-reduce``, else None (one bucket). LoGRA's sketch buckets take the same."""
+        if not self.overlap_grad_reduce:
+            return None
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * self.data_parallel)
 
     @property
     def packed(self) -> bool:

@@ -59,6 +59,7 @@ from typing import Dict, List, Optional, Tuple
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra import update_memory
+from logra_megatron.logra.buckets import plan_buckets
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.multiples import ceil_div, round_up
 from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
@@ -243,12 +244,13 @@ class DenseBuffer:
         return owned
 
 
-def dense_buffer(params: List[Parameter], dp: int, distributed: bool) -> DenseBuffer:
+def dense_buffer(params: List[Parameter], dp: int, distributed: bool,
+                 bucket_size: Optional[int] = None) -> DenseBuffer:
     """Megatron's ``_ParamAndGradBuffer`` layout for ``params`` (one buffer: every dense parameter
-    of a stage has the same dtype; no bucket size limit, since the trainer does not overlap the
-    gradient reduction): parameters in reverse registration order; with the distributed
-    optimizer, starts padded to 64 elements, a bucket end to lcm(DP, 128), and a shared
-    embedding in a bucket of its own."""
+    of a stage has the same dtype): parameters in reverse registration order; a bucket closed
+    once it holds ``bucket_size`` elements (None: one bucket, as without
+    ``--overlap-grad-reduce``); with the distributed optimizer, starts padded to 64 elements, a
+    bucket end to lcm(DP, 128), and a shared embedding in a bucket of its own."""
     bucket_multiple = math.lcm(dp, BUCKET_ALIGNMENT)
     buckets, members, bucket_start, position = [], [], 0, 0
 
@@ -267,11 +269,27 @@ def dense_buffer(params: List[Parameter], dp: int, distributed: bool) -> DenseBu
             position = close(position)
         members.append((param, position, position + param.numel))
         position += param.numel
-        if own_bucket:
+        if own_bucket or (bucket_size is not None and position - bucket_start >= bucket_size):
             position = close(position)
     if members:
         position = close(position)
     return DenseBuffer(position, tuple(buckets))
+
+
+def stage_bucket_size(settings: PlanSettings, stage: int) -> Optional[int]:
+    """The dense buffer's bucket size on pipeline stage ``stage``: Megatron's DDP buckets only the
+    first stage's buffer (``distributed_data_parallel.py``: later stages' reduction is off the
+    critical path), the others are one bucket."""
+    return settings.bucket_size if stage == 0 else None
+
+
+def sketch_buffer_numel(numels: List[int], shared_embedding: List[bool], dp: int,
+                        bucket_size: Optional[int]) -> int:
+    """Elements of LoGRA's flat sketch buffer (``logra/sketch_buffer.py``): the sketches in
+    buckets of ``bucket_size`` (``logra/buckets.py``; a shared embedding's in a bucket of its
+    own when there are several), each bucket padded to a multiple of ``dp`` (ZeRO-1; 1 without)."""
+    isolate = [bucket_size is not None and shared for shared in shared_embedding]
+    return sum(round_up(sum(numels[i] for i in bucket), dp) for bucket in plan_buckets(numels, isolate, bucket_size))
 
 
 def _row_range(rows: int, parts: int, part: int) -> int:
@@ -331,7 +349,7 @@ def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] 
     parameters, or the fp32 parameters themselves; this DP rank's shard under the distributed
     optimizer); ``dp_rank`` None: the largest over DP ranks."""
     dense = [p for p in parameter_shapes(settings, stage) if p.sketch_side is None]
-    buffer = dense_buffer(dense, settings.data_parallel, settings.distributed_optimizer)
+    buffer = dense_buffer(dense, settings.data_parallel, settings.distributed_optimizer, stage_bucket_size(settings, stage))
     if not settings.distributed_optimizer:
         return sum(p.numel for p in dense)
     ranks = range(settings.data_parallel) if dp_rank is None else [dp_rank]
@@ -350,7 +368,7 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
     params = parameter_shapes(settings, stage)
     dense = [p for p in params if p.sketch_side is None]
     sketched = [p for p in params if p.sketch_side is not None]
-    buffer = dense_buffer(dense, dp, distributed)
+    buffer = dense_buffer(dense, dp, distributed, stage_bucket_size(settings, stage))
 
     # Dense parameters: Megatron DDP + Megatron's optimizer.
     if distributed:
@@ -372,8 +390,8 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
         logra = settings.logra
         zero1 = distributed
         ranks = [sketch_rank(settings, p) for p in sketched]
-        sketch_numel = sum(_sketch_numel(p, r) for p, r in zip(sketched, ranks))
-        flat = round_up(sketch_numel, dp) if zero1 else sketch_numel
+        flat = sketch_buffer_numel([_sketch_numel(p, r) for p, r in zip(sketched, ranks)],
+                                   [p.shared_embedding for p in sketched], dp if zero1 else 1, settings.bucket_size)
         probes = norm_probes(settings)
         probe_samples = sum(probes * _lines(p) for p in sketched)
         state["sketch_bytes"] = (flat + probe_samples) * FP32
@@ -531,7 +549,7 @@ def proposal_update_bytes(settings: PlanSettings, stage: int) -> int:
     """Bytes of LoGRA's proposed low-rank update ``U`` (one full-length flat fp32 tensor laid out
     like the sketch buffer, held from propose to commit; logra/optimizer.py)."""
     sketched = [p for p in parameter_shapes(settings, stage) if p.sketch_side is not None]
-    numel = sum(_sketch_numel(p, sketch_rank(settings, p)) for p in sketched)
-    if settings.distributed_optimizer:
-        numel = round_up(numel, settings.data_parallel)
+    numel = sketch_buffer_numel([_sketch_numel(p, sketch_rank(settings, p)) for p in sketched],
+                                [p.shared_embedding for p in sketched],
+                                settings.data_parallel if settings.distributed_optimizer else 1, settings.bucket_size)
     return numel * FP32

@@ -96,7 +96,8 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     model, ddp, optimizer = build_trainable(
         settings.model, OptimizerSettings(kind=settings.optimizer, lr=1e-4, distributed=settings.distributed_optimizer),
         settings.logra, dtype=dtype, seed=seed, recompute=recompute, attention_backend=settings.attention_backend,
-        sequence_parallel=settings.sequence_parallel)
+        sequence_parallel=settings.sequence_parallel, overlap_grad_reduce=settings.overlap_grad_reduce,
+        ddp_bucket_size=settings.ddp_bucket_size)
     # Token ids drawn on the CPU on purpose (the same batch on every device kind); this rank's
     # rows move to the model's device once.
     generator = torch.Generator().manual_seed(seed)
