@@ -175,3 +175,25 @@ def test_cli_table_prints_host_memory_and_validate_refuses_unbuilt_rows():
     proc = _cli("--preset", "tiny", "--bf16", "--optimizer", "adam-8bit", "--validate")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "planned only" in lines[0], proc.stderr
+
+
+def test_a_dense_row_declared_by_its_owner_is_planned_without_touching_planning():
+    # optim/dense_memory.py's DENSE_ROWS is where a dense optimizer says what it holds; one
+    # registered from outside the package (here, a test) is planned like the built-in rows
+    from logra_megatron.optim.dense_memory import DENSE_ROWS, adam
+    from logra_megatron.planning.state import stage_state
+
+    def half_moments(settings, grad_buffer_numel, mains):
+        gpu, host = adam(settings, grad_buffer_numel, mains)
+        gpu["moment_bytes"] //= 2
+        return gpu, host
+
+    if "test-half-moments" not in DENSE_ROWS:
+        DENSE_ROWS.register("test-half-moments", half_moments, needs_distributed=True, controller=False)
+    base = PlanSettings(model=get_preset("tiny"), optimizer="logra", bf16=True, global_batch_size=2)
+    row = settings_for_row(base, "test-half-moments")
+    assert row.distributed_optimizer and row.kl_control == "off" and row.dense  # as the row declares
+    planned = stage_state(row, 0)
+    adam_row = stage_state(settings_for_row(base.with_changes(distributed_optimizer=True), "adam"), 0)
+    assert planned["moment_bytes"] == adam_row["moment_bytes"] // 2 > 0
+    assert planned["master_bytes"] == adam_row["master_bytes"]

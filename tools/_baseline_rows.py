@@ -25,14 +25,14 @@ WHY_UNAVAILABLE = {
         "OptimizerConfig.__post_init__ (optimizer/optimizer_config.py) calls is_te_min_version('2.1.0'), "
         "which fails when TE is not installed, then requires TE's FusedAdam (master_weight_dtype, "
         "exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad); TE needs CUDA. Its bytes are the planner's "
-        "arithmetic (logra_megatron/planning/state.py: dense_optimizer_bytes)"),
+        "arithmetic (logra_megatron/optim/dense_memory.py)"),
     "adam-cpu-offload": (
         "megatron-core 0.16.1's HybridDeviceOptimizer (optimizer/cpu_offloading/hybrid_optimizer.py) offloads "
         "only parameters on CUDA (param.is_cuda: offload_threshold is a fraction of the CUDA elements), and its "
         "step() fetches each host parameter's GPU twin from cpu_copys_map_gpu_param, which holds offloaded "
         "parameters only; with --overlap-cpu-optimizer-d2h-h2d it also creates torch.cuda.Stream() when built: "
         "without CUDA it cannot step. Its bytes are the planner's arithmetic "
-        "(logra_megatron/planning/state.py: dense_optimizer_bytes)"),
+        "(logra_megatron/optim/dense_memory.py)"),
     "adam-8bit": "bitsandbytes does not import; pip install bitsandbytes (the package's 'benchmark' extra)",
 }
 """Why a row may not build here, read from the source named; the row's JSON carries it with the

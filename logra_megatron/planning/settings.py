@@ -11,22 +11,22 @@ from typing import Optional
 
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models.config import ModelConfig, resolve_attention_backend
+from logra_megatron.optim.dense_memory import DENSE_ROWS, MOMENT_DTYPES  # noqa: F401 (read from here)
 from logra_megatron.ops.multiples import ceil_div, round_up
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 
-DENSE_OPTIMIZERS = ("adam", "adam-precision-aware", "adam-cpu-offload", "adam-8bit")
-"""Dense Adam as Megatron-Core 0.16.1 runs it (:mod:`logra_megatron.planning.state` has the bytes of
-each): plain (fp32 grads, masters, moments), precision-aware (``use_precision_aware_optimizer``),
-CPU offload (``optimizer_cpu_offload``) and block-wise 8-bit moments."""
+DENSE_OPTIMIZERS = tuple(DENSE_ROWS)
+"""Dense Adam as Megatron-Core 0.16.1 runs it, each row declaring its own bytes
+(``optim/dense_memory.py``): plain (fp32 grads, masters, moments), precision-aware
+(``use_precision_aware_optimizer``), CPU offload (``optimizer_cpu_offload``) and block-wise 8-bit
+moments."""
 OPTIMIZERS = DENSE_OPTIMIZERS + ("logra",)
-ROWS = ("adam", "adam-precision-aware", "adam-cpu-offload", "adam-8bit", "adam-kl", "logra")
+ROWS = DENSE_OPTIMIZERS + ("adam-kl", "logra")
 """The planner's rows (``tools/plan_memory.py --optimizer``): the dense baselines a Megatron user
 runs (no KL controller), ``adam-kl`` (dense Adam under our predicted-KL controller, with its fp32
 copies of the mains), and LoGRA (under ``--kl-control``, as the trainer runs it)."""
-MOMENT_DTYPES = {"fp32": 4, "bf16": 2, "fp8": 1}
-"""Bytes of an Adam moment element by ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``."""
 
 
 @dataclass(frozen=True)
@@ -155,19 +155,20 @@ class PlanSettings:
 
     @property
     def dense(self) -> bool:
-        return self.optimizer in DENSE_OPTIMIZERS
+        return self.optimizer in DENSE_ROWS  # every declared row, those registered after import too
 
     def with_changes(self, **changes) -> "PlanSettings":
         return replace(self, **changes)
 
 
 def settings_for_row(settings: PlanSettings, row: str) -> PlanSettings:
-    """``settings`` for one of the planner's :data:`ROWS`: the dense baselines without the KL
+    """``settings`` for one of the planner's :data:`ROWS` (or a dense row registered since, in
+    ``optim/dense_memory.py: DENSE_ROWS``): the dense baselines without the KL
     controller (as Megatron users run them; precision-aware Adam and CPU offload with the
     distributed optimizer, which Megatron requires for the first and the planner assumes for the
     second, as slime's recipe runs it), ``adam-kl`` dense Adam under the controller
     (``settings.kl_control``, or ``probe`` where that is off), LoGRA as ``settings`` say."""
-    if row not in ROWS:
+    if row not in ROWS and row not in DENSE_ROWS:
         from logra_megatron.errors import UserError
 
         raise UserError(f"optimizer row must be one of {', '.join(ROWS)}, got {row!r}")
@@ -176,5 +177,5 @@ def settings_for_row(settings: PlanSettings, row: str) -> PlanSettings:
     if row == "adam-kl":
         return replace(settings, optimizer="adam",
                        kl_control="probe" if settings.kl_control == "off" else settings.kl_control)
-    distributed = settings.distributed_optimizer or row in ("adam-precision-aware", "adam-cpu-offload")
+    distributed = settings.distributed_optimizer or DENSE_ROWS.declared(row).info["needs_distributed"]
     return replace(settings, optimizer=row, kl_control="off", distributed_optimizer=distributed)

@@ -61,15 +61,14 @@ from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra import update_memory
 from logra_megatron.logra.buckets import plan_buckets
 from logra_megatron.models.config import resolve_attention_backend
-from logra_megatron.ops.multiples import ceil_div, round_up
-from logra_megatron.planning.settings import (DENSE_OPTIMIZERS, MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
+from logra_megatron.ops.multiples import round_up
+from logra_megatron.optim.dense_memory import (  # noqa: F401 (the components' names, read from here)
+    ADAM_STEP_BYTES, BLOCKWISE_8BIT_BLOCK, BLOCKWISE_8BIT_MIN_NUMEL, DENSE_ROWS, HOST_COMPONENTS)
+from logra_megatron.planning.settings import (MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
 
 FP32 = 4
-ADAM_STEP_BYTES = 4
-"""torch's AdamW keeps its step count as a 0-dim fp32 tensor per parameter (the CPU fallback;
-Transformer Engine's FusedAdam keeps it in the param group: 0 bytes, a negligible overcount)."""
 PARAM_ALIGNMENT = 64
 """Megatron DDP (distributed optimizer): every parameter starts at a multiple of 64 elements."""
 BUCKET_ALIGNMENT = 128
@@ -85,14 +84,6 @@ STATE_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes"
 directions, a reference model and a colocated rollout engine."""
 TRANSIENT_COMPONENTS = ("controller_extra_bytes",)
 """Held only during a step (inside its peak, see logra_megatron/planning/plan.py)."""
-HOST_COMPONENTS = ("host_master_bytes", "host_grad_bytes", "host_moment_bytes")
-"""What one rank keeps in host memory (``adam-cpu-offload``: the offloaded shards' fp32 masters,
-their pinned fp32 gradients, their Adam moments and step)."""
-BLOCKWISE_8BIT_BLOCK = 256
-"""Block-wise 8-bit Adam (bitsandbytes ``Adam8bit``, torchao ``AdamW8bit``): elements per
-quantization block, each with one fp32 absmax scale per moment."""
-BLOCKWISE_8BIT_MIN_NUMEL = 4096
-"""bitsandbytes' ``min_8bit_size``: smaller tensors keep fp32 moments."""
 
 
 @dataclass(frozen=True)
@@ -123,12 +114,13 @@ class Parameter:
 def check_settings(settings: PlanSettings) -> None:
     """Raise a :class:`UserError` when the settings describe a job that cannot run."""
     model = settings.model
-    if settings.optimizer not in OPTIMIZERS:
+    if settings.optimizer != "logra" and settings.optimizer not in DENSE_ROWS:
         raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {settings.optimizer!r}")
-    if settings.optimizer in DENSE_OPTIMIZERS and settings.optimizer != "adam" and settings.kl_control != "off":
+    row = DENSE_ROWS.declared(settings.optimizer)
+    if row is not None and not row.info["controller"] and settings.kl_control != "off":
         raise UserError(f"{settings.optimizer} is planned without the KL controller (the planner's adam-kl row "
                         f"is dense Adam under it); got --kl-control {settings.kl_control}")
-    if settings.optimizer in ("adam-precision-aware", "adam-cpu-offload") and not settings.distributed_optimizer:
+    if row is not None and row.info["needs_distributed"] and not settings.distributed_optimizer:
         raise UserError(f"{settings.optimizer} runs with Megatron's distributed optimizer")
     for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(settings, name) not in MOMENT_DTYPES:
@@ -419,82 +411,14 @@ def stage_host_state(settings: PlanSettings, stage: int, dp_rank: int = 0) -> Di
     return stage_state(settings, stage, dp_rank, with_host=True)[1]
 
 
-def offloaded_shards(settings: PlanSettings, mains: List[Tuple[Parameter, int]]) -> int:
-    """How many of ``mains`` (in the optimizer's order) ``HybridDeviceOptimizer`` moves to the host
-    (cpu_offloading/hybrid_optimizer.py ``_get_sub_optimizer_param_groups``: a parameter is
-    offloaded while the elements offloaded so far are below ``fraction x`` all of them)."""
-    threshold = sum(n for _, n in mains) * settings.optimizer_offload_fraction
-    offloaded, count = 0, 0
-    for _, elements in mains:
-        if offloaded >= threshold:
-            break
-        offloaded += elements
-        count += 1
-    return count
-
-
 def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
                           mains: List[Tuple[Parameter, int]]) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """``(gpu, host)``: the dense optimizer's gradient buffer, masters and moments on one rank, for
-    ``settings.optimizer``; ``mains`` are the ``(parameter, elements)`` the optimizer updates on
-    this rank (its shard under the distributed optimizer). Read from megatron-core 0.16.1:
-
-    - ``adam``: DDP's fp32 gradient buffer (``grad_reduce_in_fp32``), fp32 masters of bf16 weights
-      (``distrib_optimizer.py``: ``shard_model_param.clone().float()``; ``optimizer.py``'s
-      ``Float16OptimizerWithFloat16Params`` without it), two fp32 moments and torch's step.
-    - ``adam-precision-aware`` (``optimizer_config.py``: ``use_precision_aware_optimizer``, needs
-      the distributed optimizer and TE's FusedAdam): the gradient buffer in ``main_grads_dtype``
-      bf16; with bf16 weights and ``store_param_remainders`` (default True) the master is the 16
-      bits the bf16 weight lacks (``distrib_optimizer.py``: ``master_param`` as ``torch.int16``),
-      fp32 weights are their own masters; ``exp_avg`` / ``exp_avg_sq`` in their dtypes (fp8: one
-      byte, TE's per-tensor scale not counted); FusedAdam keeps ``step`` in the param group.
-    - ``adam-cpu-offload`` (``optimizer_cpu_offload``, ``optimizer_offload_fraction``;
-      ``cpu_offloading/hybrid_optimizer.py`` with ``param_update_in_fp32=True`` as
-      ``optimizer/__init__.py`` builds it, and the precision-aware path that leaves the masters to
-      it, as slime's recipe runs it): the gradient buffer on the GPU (fp32, or bf16 with
-      ``main_grads_dtype`` bf16); each offloaded shard an
-      fp32 host copy (``.cpu().pin_memory()`` then ``.float()``), a pinned fp32 host gradient
-      (``cpu_copy_map_grad``), CPUAdam's two fp32 moments and step tensor; the rest fp32 masters
-      (bf16 weights) and moments on the GPU.
-    - ``adam-8bit``: as ``adam``, with block-wise 8-bit moments (one byte an element, an fp32 absmax
-      per block of :data:`BLOCKWISE_8BIT_BLOCK` per moment; fp32 below
-      :data:`BLOCKWISE_8BIT_MIN_NUMEL` elements).
-    """
-    kind = settings.optimizer
-    gpu = dict(grad_bytes=grad_buffer_numel * FP32, master_bytes=0, moment_bytes=0)
-    host = dict.fromkeys(HOST_COMPONENTS, 0)
-    master = FP32 if settings.bf16 else 0
-    main_numel = sum(n for _, n in mains)
-    if kind in ("adam", "logra"):
-        gpu["master_bytes"] = main_numel * master
-        gpu["moment_bytes"] = main_numel * 2 * FP32 + len(mains) * ADAM_STEP_BYTES
-    elif kind == "adam-precision-aware":
-        gpu["grad_bytes"] = grad_buffer_numel * 2
-        gpu["master_bytes"] = main_numel * 2 if settings.bf16 else 0
-        gpu["moment_bytes"] = main_numel * (MOMENT_DTYPES[settings.exp_avg_dtype]
-                                            + MOMENT_DTYPES[settings.exp_avg_sq_dtype])
-    elif kind == "adam-cpu-offload":
-        gpu["grad_bytes"] = grad_buffer_numel * (2 if settings.main_grads_dtype == "bf16" else FP32)
-        count = offloaded_shards(settings, mains)
-        on_host, on_gpu = mains[:count], mains[count:]
-        host_numel, gpu_numel = sum(n for _, n in on_host), sum(n for _, n in on_gpu)
-        gpu["master_bytes"] = gpu_numel * master
-        gpu["moment_bytes"] = gpu_numel * 2 * FP32 + len(on_gpu) * ADAM_STEP_BYTES
-        host["host_master_bytes"] = host_numel * FP32
-        host["host_grad_bytes"] = host_numel * FP32
-        host["host_moment_bytes"] = host_numel * 2 * FP32 + len(on_host) * ADAM_STEP_BYTES
-    elif kind == "adam-8bit":
-        gpu["master_bytes"] = main_numel * master
-        moments = 0
-        for _, elements in mains:
-            if elements < BLOCKWISE_8BIT_MIN_NUMEL:
-                moments += 2 * elements * FP32
-            else:
-                moments += 2 * (elements + FP32 * ceil_div(elements, BLOCKWISE_8BIT_BLOCK))
-        gpu["moment_bytes"] = moments + len(mains) * ADAM_STEP_BYTES
-    else:
-        raise UserError(f"no dense optimizer {kind!r}")
-    return gpu, host
+    """``(gpu, host)``: the dense optimizer's gradient buffer, masters and moments on one rank, as
+    the row ``settings.optimizer`` declares them (``optim/dense_memory.py``; LoGRA's dense remainder
+    is Megatron's Adam); ``mains`` are the ``(parameter, elements)`` the optimizer updates on this
+    rank (its shard under the distributed optimizer)."""
+    row = DENSE_ROWS.get("adam" if settings.optimizer == "logra" else settings.optimizer)
+    return row(settings, grad_buffer_numel, [elements for _, elements in mains])
 
 
 def kv_cache_bytes(settings: PlanSettings, stage: int) -> int:
