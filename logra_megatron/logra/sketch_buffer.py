@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from logra_megatron import parallel
-from logra_megatron.logra.buckets import plan_buckets
+from logra_megatron.logra.buckets import bucket_layout
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.layers import _SketchingMixin, sketched_modules
 from logra_megatron.logra.projection import random_orthonormal
@@ -33,7 +33,6 @@ from logra_megatron.logra.sketch_overlap import OverlappedSketchReduction
 from logra_megatron.logra.update_memory import ELEMENT, LINE  # noqa: F401 (layouts of a rule's state)
 from logra_megatron.models.build import model_device
 from logra_megatron.models.weights import global_name, is_swiglu_fc1, layer_offset
-from logra_megatron.ops.multiples import round_up
 from logra_megatron.ops.norms import squared_norm
 from logra_megatron.seeding import name_seed
 
@@ -142,19 +141,8 @@ class SketchBuffer:
         numels = [math.prod(LinearSketch.sketch_shape(e[3], e[4], e[5], e[7])) for e in entries]
         # Without buckets (no overlap) the tied embedding's two sums keep today's order (over the
         # stages, then over DP) and need no bucket of its own.
-        isolate = [self.zero1 and bucket_numel is not None and e[8] and e[0] == TIED_EMBEDDING for e in entries]
-        planned = plan_buckets(numels, isolate, bucket_numel)
-        offsets, spans = [0] * len(entries), []
-        total = 0
-        for indices in planned:
-            start = total
-            for index in indices:
-                offsets[index] = total
-                total += numels[index]
-            if self.zero1:  # each bucket splits evenly over DP
-                total = round_up(total, self.dp)
-            spans.append((start, total))
-        padded = total
+        shared = [e[8] and e[0] == TIED_EMBEDDING for e in entries]
+        offsets, planned, padded = bucket_layout(numels, shared, bucket_numel, self.dp, self.zero1)
         device = model_device(models[0])  # every piece of LoGRA's state lives with the model
         self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
         self.weights: List[SketchedWeight] = []
@@ -181,7 +169,7 @@ class SketchBuffer:
                     module.logra_sketch = model.embedding.word_embeddings.logra_sketch
         self.buckets: List[Bucket] = []
         local = 0
-        for indices, (start, end) in zip(planned, spans):
+        for indices, start, end in planned:
             self.buckets.append(Bucket(start, end, [self.weights[i] for i in indices], self.dp if self.zero1 else 1,
                                        local))
             local += self.buckets[-1].shard

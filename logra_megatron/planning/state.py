@@ -59,7 +59,7 @@ from typing import Dict, List, Optional, Tuple
 from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra import update_memory
-from logra_megatron.logra.buckets import plan_buckets
+from logra_megatron.logra.buckets import bucket_layout
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.multiples import round_up
 from logra_megatron.optim.dense_memory import (  # noqa: F401 (the components' names, read from here)
@@ -277,11 +277,9 @@ def stage_bucket_size(settings: PlanSettings, stage: int) -> Optional[int]:
 
 def sketch_buffer_numel(numels: List[int], shared_embedding: List[bool], dp: int,
                         bucket_size: Optional[int]) -> int:
-    """Elements of LoGRA's flat sketch buffer (``logra/sketch_buffer.py``): the sketches in
-    buckets of ``bucket_size`` (``logra/buckets.py``; a shared embedding's in a bucket of its
-    own when there are several), each bucket padded to a multiple of ``dp`` (ZeRO-1; 1 without)."""
-    isolate = [bucket_size is not None and shared for shared in shared_embedding]
-    return sum(round_up(sum(numels[i] for i in bucket), dp) for bucket in plan_buckets(numels, isolate, bucket_size))
+    """Elements of LoGRA's flat sketch buffer as the buffer lays itself out (``logra/buckets.py``):
+    buckets of ``bucket_size``, each padded to a multiple of ``dp`` under ZeRO-1 (``dp`` 1: none)."""
+    return bucket_layout(numels, shared_embedding, bucket_size, dp, dp > 1)[2]
 
 
 def _row_range(rows: int, parts: int, part: int) -> int:
