@@ -36,9 +36,13 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    saves a re-forecast whenever the regime holds (``growth_exponent``, checkpointed).
    Warm start (``probe``): a step's first forecast is at the scale the last step settled on
    (``settled_scale``, checkpointed; ``s = 1`` at the first step), and a forecast there within
-   ``tolerance`` of the budget on either side is accepted as it is (:meth:`in_band`): one
-   forecast, where starting at ``s = 1`` took two or three once steps need scaling down.
-   ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``).
+   ``tolerance`` of the budget on either side (:meth:`in_band`), or one whose rescale along the
+   growth exponent keeps the KL within ``tolerance`` of the budget for any exponent in
+   ``[1, 2]`` (:meth:`rescalable`), is accepted, re-centred on the budget: one forecast, where
+   starting at ``s = 1`` took two or three once steps need scaling down.
+   ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``), or a
+   forecast at another scale carried there along the growth exponent
+   (``kl_pred_forecast_scale`` says which).
    With ``--kl-subtract-mismatch`` the target is a budget: ``kl_target`` minus an EMA of the
    KL between the rollout engine's sampling distribution and the trainer's (observed on the
    batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
