@@ -158,3 +158,26 @@ def test_forecasts_with_the_chunked_preview_are_today_s_exactly(monkeypatch, dty
         forecasts[chunk] = [controller.kl(ddp, optimizer, probe, scale, base) for scale in (1.0, 0.3, 0.05)]
     assert all(value > 0 for value in forecasts[64])
     assert forecasts[64] == forecasts[1 << 40], forecasts
+
+
+@pytest.mark.parametrize("prompt", [0, 9], ids=["every_position", "prompt_masked"])
+def test_the_cached_forecast_is_the_recomputed_one_bit_for_bit(prompt):
+    """The forecast from the ``s = 0`` logits cached once a step (every position counted: the
+    cached rows are the logits themselves, no zero-filled copy) equals the forecast that
+    recomputes them, at every scale."""
+    parallel.initialize(1, 1, seed=1234)
+    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2),
+                                        LogRAConfig(rank=16, refresh_interval=5))
+    controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
+    mask = torch.ones(4, 32)
+    mask[:, :prompt] = 0
+    probe = ProbeSet(TOKENS[:4, :-1], mask, micro_batch_size=2)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    lm_forward_backward(ddp, TOKENS, 4)
+    optimizer.propose()
+    base = controller.base_logits(ddp, optimizer, probe)
+    for scale in (1.0, 0.3):
+        cached = controller.kl(ddp, optimizer, probe, scale, base)
+        assert cached > 0
+        assert cached == controller.kl(ddp, optimizer, probe, scale)

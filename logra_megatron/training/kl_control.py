@@ -390,6 +390,8 @@ class PredictedKLController:
         """One part's ``s = 0`` logits back in their shape: the cached rows where the mask counts,
         zeros elsewhere (positions the masked sum multiplies by 0, so the KL is unchanged)."""
         rows, keep, shape = entry
+        if rows.shape[0] == keep.numel():  # every position counts: the rows are the logits
+            return rows.view(shape)
         full = rows.new_zeros(keep.numel(), shape[-1])
         full[keep] = rows
         return full.view(shape)
