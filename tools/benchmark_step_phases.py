@@ -208,7 +208,8 @@ def run_child(args, overlap: bool = False) -> dict:
             raise UserError(f"the {args.child} step was skipped (a non-finite gradient or forecast)")
         entry = {"refresh": refreshing, "seconds": dict(timer.seconds),
                  "cpu_seconds": dict(timer.cpu_seconds), "step_scale": control["step_scale"],
-                 "kl_pred": control["kl_pred"], "kl_forecasts": controller.forecasts}
+                 "kl_pred": control["kl_pred"], "kl_pred_forecast_scale": control.get("kl_pred_forecast_scale"),
+                 "kl_forecasts": controller.forecasts}
         if counter is not None:
             entry.update(sketch_collective_bytes=counter.bytes, sketch_collectives=counter.calls,
                          sketch_buckets_started_in_backward=started)

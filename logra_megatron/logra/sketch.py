@@ -22,6 +22,13 @@ import torch.distributed as dist
 
 LEFT, RIGHT = "left", "right"
 
+PREVIEW_CPU_CHUNK_ELEMENTS = 1 << 15
+"""Elements per chunk of a previewed output's fp32 round trip on the CPU (128 KiB in fp32: it
+stays in cache). In one piece the round trip of a ``[1024, 3072]`` bf16 output (``smollm2-135m``'s
+``linear_fc1``, 8 x 128 tokens) cost 13.3 ms, in chunks 2.9 ms (one thread, this project's CPU;
+docs/KL_CONTROL.md). On an accelerator it stays one piece: a kernel launch per chunk would cost
+more than the cache saves."""
+
 
 class LinearSketch:
     """The sketch state of one weight shard: projection, sketch accumulator, range finder.
@@ -156,14 +163,21 @@ class LinearSketch:
         return self._previewed(output, update[ids] @ self.projection.t())
 
     def _previewed(self, output: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-        """``(1 - s wd) output - s side`` in fp32 (in place on one fp32 copy: the output layer's
-        is logits-sized), returned in ``output``'s dtype."""
+        """``(1 - s wd) output - s side`` in fp32, returned in ``output``'s dtype (a new tensor,
+        never the output itself, even in fp32). On the CPU the fp32 round trip runs over row
+        chunks of :data:`PREVIEW_CPU_CHUNK_ELEMENTS` (elementwise: the same bits as one piece)."""
         step, weight_decay, _ = self.preview
-        result = output.to(torch.float32, copy=True)  # never the output itself, even in fp32
-        if weight_decay:
-            result.mul_(1.0 - step * weight_decay)
-        result.sub_(side, alpha=step)
-        return result.to(output.dtype)
+        width = output.shape[-1]
+        flat, flat_side = output.reshape(-1, width), side.reshape(-1, width)
+        result = torch.empty(flat.shape, dtype=output.dtype, device=output.device)
+        rows = flat.shape[0] if output.device.type != "cpu" else max(1, PREVIEW_CPU_CHUNK_ELEMENTS // width)
+        for start in range(0, flat.shape[0], rows):
+            chunk = flat[start:start + rows].to(torch.float32, copy=True)
+            if weight_decay:
+                chunk.mul_(1.0 - step * weight_decay)
+            chunk.sub_(flat_side[start:start + rows], alpha=step)
+            result[start:start + rows].copy_(chunk)
+        return result.view(output.shape)
 
 
 def gather_sequence(input: torch.Tensor, tp_group) -> torch.Tensor:

@@ -36,9 +36,13 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    saves a re-forecast whenever the regime holds (``growth_exponent``, checkpointed).
    Warm start (``probe``): a step's first forecast is at the scale the last step settled on
    (``settled_scale``, checkpointed; ``s = 1`` at the first step), and a forecast there within
-   ``tolerance`` of the budget on either side is accepted as it is (:meth:`in_band`): one
-   forecast, where starting at ``s = 1`` took two or three once steps need scaling down.
-   ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``).
+   ``tolerance`` of the budget on either side (:meth:`in_band`), or one whose rescale along the
+   growth exponent keeps the KL within ``tolerance`` of the budget for any exponent in
+   ``[1, 2]`` (:meth:`rescalable`), is accepted, re-centred on the budget: one forecast, where
+   starting at ``s = 1`` took two or three once steps need scaling down.
+   ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``), or a
+   forecast at another scale carried there along the growth exponent
+   (``kl_pred_forecast_scale`` says which).
    With ``--kl-subtract-mismatch`` the target is a budget: ``kl_target`` minus an EMA of the
    KL between the rollout engine's sampling distribution and the trainer's (observed on the
    batch, :meth:`PredictedKLController.observe_mismatch`), floored at half of ``kl_target``:
@@ -386,6 +390,8 @@ class PredictedKLController:
         """One part's ``s = 0`` logits back in their shape: the cached rows where the mask counts,
         zeros elsewhere (positions the masked sum multiplies by 0, so the KL is unchanged)."""
         rows, keep, shape = entry
+        if rows.shape[0] == keep.numel():  # every position counts: the rows are the logits
+            return rows.view(shape)
         full = rows.new_zeros(keep.numel(), shape[-1])
         full[keep] = rows
         return full.view(shape)
@@ -479,14 +485,31 @@ class PredictedKLController:
             return False
         return kl >= budget / tolerance or scale >= max_scale
 
+    def rescalable(self, kl: float, at: float, scale: float, max_scale: float) -> bool:
+        """Whether the forecast ``kl`` at ``at * D``, carried to ``scale * D`` along the growth
+        exponent (:meth:`_scale_for`), is accepted without forecasting at ``scale``: whatever the
+        growth exponent between the two scales, within the ``[1, 2]`` the controller allows (KL
+        grows no faster than ``s^2`` and no slower than ``s``), the KL at ``scale`` stays
+        within ``tolerance`` of the budget: at most ``tolerance * budget`` (at least
+        ``budget / tolerance``, unless ``scale`` is the largest allowed). With the exponent
+        carried at 2 this accepts a first forecast within ``tolerance^2`` of the budget (the
+        step's scale moves by at most ``tolerance``), at 1.5 within ``tolerance^3``."""
+        if not kl > 0 or not math.isfinite(kl) or at <= 0:
+            return False
+        budget, tolerance, ratio = self.budget(), self.config.tolerance, scale / at
+        low, high = kl * min(ratio, ratio**2), kl * max(ratio, ratio**2)
+        if high > tolerance * budget:
+            return False
+        return low >= budget / tolerance or scale >= max_scale
+
     def _refine(self, model, optimizer, probe, scale: float, start_scale: float, start_kl: float,
                 base: Optional[list] = None, max_scale: float = 1.0) -> tuple:
         """Re-forecast at the scaled step until it is within ``tolerance`` of the target (at most
         ``max_refinements`` times), starting from the forecast ``start_kl`` at ``start_scale``. The
         local growth exponent of KL in the step size (2 near zero, towards 1 for large steps) is
         estimated from the last two forecasts, in log space, and used for the next scale. Returns
-        the scale and its forecast (extrapolated with the growth exponent from the last forecast
-        when the refinements ran out)."""
+        the scale, its forecast (extrapolated with the growth exponent from the last forecast
+        when the refinements ran out) and the scale that forecast was made at."""
         config, budget = self.config, self.budget()
         previous_scale, previous_kl = start_scale, start_kl
         for _ in range(config.max_refinements):
@@ -496,10 +519,10 @@ class PredictedKLController:
                 exponent = math.log(previous_kl / kl) / math.log(previous_scale / scale)
                 self.growth_exponent = min(2.0, max(1.0, exponent))
             if kl <= config.tolerance * budget:
-                return scale, kl
+                return scale, kl, scale
             previous_scale, previous_kl = scale, kl
             scale = min(max_scale, scale * (budget / kl) ** (1.0 / self.growth_exponent))
-        return scale, self._grown(previous_kl, previous_scale, scale)
+        return scale, self._grown(previous_kl, previous_scale, scale), previous_scale
 
     def _grown(self, kl: float, at: float, scale: float) -> float:
         """The forecast ``kl`` at ``at * D`` carried to ``scale * D`` along the growth exponent."""
@@ -517,8 +540,11 @@ class PredictedKLController:
         logits of those rows.
 
         Returns ``success, grad_norm, kl_pred, step_scale, kl_realized, controller_time_s,
-        controller_extra_bytes``; ``kl_pred`` is the forecast KL of the step as committed
-        (``step_scale`` times the proposed update).
+        controller_extra_bytes, kl_pred_forecast_scale``; ``kl_pred`` is the forecast KL of the
+        step as committed (``step_scale`` times the proposed update): a forecast at
+        ``kl_pred_forecast_scale`` times it, carried to ``step_scale`` along the growth exponent
+        where the two differ (``linear`` mode: the forecast at ``D``'s scale, by ``s^2``; None
+        when nothing was forecast).
         """
         config = self.config
         measure_realized = self._measures_realized(self.steps)
@@ -533,7 +559,7 @@ class PredictedKLController:
             return {"success": False, "grad_norm": grad_norm, "kl_pred": None, "step_scale": 0.0,
                     "kl_realized": None, "controller_time_s": 0.0, "controller_extra_bytes": 0}
         start = time.perf_counter()
-        kl_pred, scale, base = None, 1.0, None
+        kl_pred, scale, base, forecast_scale = None, 1.0, None, None
         self.forecasts = 0
         max_scale = self.max_scale(optimizer)
         if config.mode == "linear":
@@ -541,7 +567,7 @@ class PredictedKLController:
                 unit = self.linear_kl(model, optimizer, probe)
                 self.forecasts = 1
             scale = self._scale_for(unit, max_scale) if math.isfinite(unit) else 0.0
-            kl_pred = scale**2 * unit
+            kl_pred, forecast_scale = scale**2 * unit, 1.0
         elif config.mode == "probe":
             with phase("kl_forecast"):
                 # The s = 0 logits once (kept from the step's forward when it was asked to), then
@@ -549,18 +575,22 @@ class PredictedKLController:
                 base = self.base_logits(model, optimizer, probe, step_logits)
                 scale = 1.0 if self.settled_scale is None else min(self.settled_scale, max_scale)
                 kl_pred = self.kl(model, optimizer, probe, scale, base)
-                self.forecasts = 1
+                self.forecasts, forecast_scale = 1, scale
                 if math.isfinite(kl_pred):
                     first = scale
                     scale = self._scale_for(kl_pred, max_scale, at=first)
-                    if self.in_band(kl_pred, first, max_scale):
+                    if self.in_band(kl_pred, first, max_scale) or self.rescalable(kl_pred, first, scale,
+                                                                                 max_scale):
                         # Accepted without a second forecast, re-centred on the budget along the
-                        # growth exponent (a correction of at most a tolerance's root): a regime
-                        # that drifts slowly does not walk the next warm start out of the band.
+                        # growth exponent: in the band (a correction of at most a tolerance's
+                        # root), or where the KL at the new scale is within the tolerance of the
+                        # budget whatever the exponent (rescalable). A regime that drifts slowly
+                        # does not walk the next warm start out of the band, and a step whose D
+                        # grew or shrank a little costs one forecast, not two.
                         kl_pred = self._grown(kl_pred, first, scale) if kl_pred > 0 else kl_pred
                     else:
-                        scale, kl_pred = self._refine(model, optimizer, probe, scale, first, kl_pred, base,
-                                                      max_scale)
+                        scale, kl_pred, forecast_scale = self._refine(model, optimizer, probe, scale, first,
+                                                                      kl_pred, base, max_scale)
         if kl_pred is not None and not math.isfinite(kl_pred):
             # A non-finite forecast (agreed by every rank): the step is skipped, nothing committed.
             optimizer.discard()
@@ -584,7 +614,8 @@ class PredictedKLController:
         if config.mode == "probe":
             self.settled_scale = scale
         return {"success": success, "grad_norm": grad_norm, "kl_pred": kl_pred, "step_scale": scale,
-                "kl_realized": kl_realized, "controller_time_s": overhead, "controller_extra_bytes": extra}
+                "kl_realized": kl_realized, "controller_time_s": overhead, "controller_extra_bytes": extra,
+                "kl_pred_forecast_scale": forecast_scale}
 
 
 def _schedule_text(schedule: dict) -> str:
