@@ -241,8 +241,7 @@ class ParallelConfig:
                     "sketching linears too). Sampling runs without it (one token per decode step)")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, help="Megatron's interleaved pipeline (--pipeline-model-parallel-size > 1): each pipeline rank "
-                   "holds several model chunks of this many layers, and Megatron's interleaved schedule runs "
-                   "the GRPO passes, the KL probe and the warm-up")
+                   "holds several model chunks of this many layers, run by Megatron's interleaved schedule")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
         None, help="Megatron's newer name for the same: this many model chunks per pipeline rank (give one "
                    "of the two)")
