@@ -453,11 +453,12 @@ def virtual_pipeline_runs(base, tmp_path_factory):
     """RL step 1 at PP=2, without and with Megatron's interleaved pipeline (two 1-layer chunks per
     rank), from the base run's weights after step 0 (saved without chunks), with the KL-to-reference
     penalty on (a frozen reference of chunks, its log-probs through the interleaved schedule).
-    Both sample through the embedded engine (the chunks in turn), and measure the realized KL;
-    the 4 probe rows are one packed part, fewer microbatches than the interleaved schedule takes,
-    so the probe's passes run filled up (training/lm.py: pipeline_pass)."""
+    Both sample through the embedded engine (the chunks in turn), and measure the realized KL.
+    Two minibatches of 8 rows: each optimizer step's loss is one packed microbatch, as is each
+    part of the 4 probe rows, fewer than the interleaved schedule takes, so those passes (the
+    backward too) run filled up (training/lm.py: pipeline_pass)."""
     root = tmp_path_factory.mktemp("virtual_pipeline")
-    pp2 = ["--pipeline-model-parallel-size", "2", "--kl-coef", "0.1", "--kl-estimator", "k3"]
+    pp2 = ["--pipeline-model-parallel-size", "2", "--kl-coef", "0.1", "--kl-estimator", "k3", "--num-minibatches", "2"]
     runs = {}
     for name, extra in (("pp2", pp2), ("pp2-vpp2", [*pp2, "--num-layers-per-virtual-pipeline-stage", "1"])):
         out = root / name
