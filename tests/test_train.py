@@ -467,7 +467,25 @@ def virtual_pipeline_runs(base, tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[name] = (metrics(out), json.loads((out / "summary.json").read_text()),
                       saved_weights(root / f"{name}-ckpt"))
+    # Each checkpoint (weights and optimizer state) resumed at the other layout for one more step:
+    # chunks saved, loaded without them, and the other way round.
+    for name, source, extra in (("pp2-from-vpp2", "pp2-vpp2", pp2),
+                                ("pp2-vpp2-from-pp2", "pp2", [*pp2, "--num-layers-per-virtual-pipeline-stage", "1"])):
+        out = root / name
+        proc = train([*SMALL, *extra, "--load", str(root / f"{source}-ckpt"), "--output-dir", str(out)], 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = metrics(out)
     return runs
+
+
+def test_a_checkpoint_resumes_with_or_without_the_interleaved_pipeline(virtual_pipeline_runs):
+    ours, theirs = virtual_pipeline_runs["pp2-from-vpp2"], virtual_pipeline_runs["pp2-vpp2-from-pp2"]
+    assert [row["step"] for row in ours] == [row["step"] for row in theirs] == [2]
+    assert_not_degenerate(theirs)
+    for mine, other in zip(ours, theirs):
+        assert mine["reward_mean"] == other["reward_mean"]
+        for key in ("loss", "kl", "entropy", "kl_pred", "grad_norm", "step_scale"):
+            assert mine[key] == pytest.approx(other[key], rel=1e-5, abs=1e-8), key
 
 
 def test_interleaved_pipeline_gives_pp2s_grpo_step(virtual_pipeline_runs):
