@@ -52,9 +52,7 @@ def build_parser():
     add_flags(parser, ModelSourceConfig, "preset", "bf16")
     parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: the preset's)")
     add_flags(parser, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "overlap_grad_reduce", "sequence_parallel")
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                        help="Megatron's interleaved pipeline: layers per model chunk (PP > 1)")
+              "overlap_grad_reduce", "sequence_parallel", "num_layers_per_virtual_pipeline_stage")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="Megatron's: the distributed optimizer's parameter all-gather overlapped with the forward")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,

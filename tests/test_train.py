@@ -324,6 +324,11 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
     (["--exit-interval", "-1"], "--exit-interval must be >= 0"),
     pytest.param(["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
                  "the sequence over the tensor-parallel ranks), got 1", id="sequence-parallel-at-tp1"),
+    pytest.param(["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage needs "
+                 "--pipeline-model-parallel-size > 1 (it splits each pipeline stage into chunks), got 1",
+                 id="virtual-pipeline-at-pp1"),
+    pytest.param(["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                 "say the same thing two ways; give one of them", id="virtual-pipeline-both-flags"),
     pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--logra-embeddings"],
                  "--logra-embeddings does not run under --sequence-parallel", id="sequence-parallel-embeddings"),
     # not a trainer flag (no context-parallel path: docs/SCALING.md): refused, not ignored
@@ -412,3 +417,93 @@ def test_overlapped_gradient_reduction_changes_no_number(tmp_path):
     for ours, theirs in zip(runs["overlapped"], runs["blocking"]):
         for key in ("loss", "grad_norm", "kl_pred", "step_scale", "reward_mean"):
             assert ours[key] == theirs[key], key
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3 must divide the 2 "
+                                                        "layers of a pipeline stage (4 layers over "
+                                                        "--pipeline-model-parallel-size 2)"),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], "--num-virtual-stages-per-pipeline-rank 3 must divide the 2 "
+                                                       "layers of a pipeline stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--rollout-engine", "vllm"],
+     "--rollout-engine vllm does not take the interleaved pipeline's model chunks"),
+])
+def test_virtual_pipeline_flags_that_do_not_fit_the_model_are_one_line(args, message):
+    # checked with the model resolved (the tiny preset: 4 layers), at PP=2 on 2 ranks, before any process group
+    from logra_megatron.config import parse_train_args
+    from logra_megatron.errors import UserError
+
+    with pytest.raises(UserError) as error:
+        parse_train_args([*SMALL, "--pipeline-model-parallel-size", "2", *args], world_size=2)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_both_virtual_pipeline_flags_give_megatrons_chunk_count():
+    from logra_megatron.config import parse_train_args
+
+    for flag, value in (("--num-layers-per-virtual-pipeline-stage", "1"), ("--num-virtual-stages-per-pipeline-rank", "2")):
+        config = parse_train_args(["--pipeline-model-parallel-size", "2", flag, value], world_size=2)
+        assert config.parallel.virtual_pipeline(config.model_config.layers) == 2
+    config = parse_train_args(["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert config.parallel.virtual_pipeline(config.model_config.layers) is None
+
+
+@pytest.fixture(scope="module")
+def virtual_pipeline_runs(base, tmp_path_factory):
+    """RL step 1 at PP=2, without and with Megatron's interleaved pipeline (two 1-layer chunks per
+    rank), from the base run's weights after step 0 (saved without chunks), with the KL-to-reference
+    penalty on (a frozen reference of chunks, its log-probs through the interleaved schedule).
+    Both sample through the embedded engine (the chunks in turn), and measure the realized KL.
+    Two minibatches of 8 rows: each optimizer step's loss is one packed microbatch, as is each
+    part of the 4 probe rows, fewer than the interleaved schedule takes, so those passes (the
+    backward too) run filled up (training/lm.py: pipeline_pass)."""
+    root = tmp_path_factory.mktemp("virtual_pipeline")
+    pp2 = ["--pipeline-model-parallel-size", "2", "--kl-coef", "0.1", "--kl-estimator", "k3", "--num-minibatches", "2"]
+    runs = {}
+    for name, extra in (("pp2", pp2), ("pp2-vpp2", [*pp2, "--num-layers-per-virtual-pipeline-stage", "1"])):
+        out = root / name
+        proc = train([*SMALL, *extra, "--train-iters", "2", "--load", str(base[2]), "--ckpt-step", "1",
+                      "--no-load-optim", "--output-dir", str(out), "--save", str(root / f"{name}-ckpt")], 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = (metrics(out), json.loads((out / "summary.json").read_text()),
+                      saved_weights(root / f"{name}-ckpt"))
+    # Each checkpoint (weights and optimizer state) resumed at the other layout for one more step:
+    # chunks saved, loaded without them, and the other way round.
+    for name, source, extra in (("pp2-from-vpp2", "pp2-vpp2", pp2),
+                                ("pp2-vpp2-from-pp2", "pp2", [*pp2, "--num-layers-per-virtual-pipeline-stage", "1"])):
+        out = root / name
+        proc = train([*SMALL, *extra, "--load", str(root / f"{source}-ckpt"), "--output-dir", str(out)], 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = metrics(out)
+    return runs
+
+
+def test_a_checkpoint_resumes_with_or_without_the_interleaved_pipeline(virtual_pipeline_runs):
+    ours, theirs = virtual_pipeline_runs["pp2-from-vpp2"], virtual_pipeline_runs["pp2-vpp2-from-pp2"]
+    assert [row["step"] for row in ours] == [row["step"] for row in theirs] == [2]
+    assert_not_degenerate(theirs)
+    for mine, other in zip(ours, theirs):
+        assert mine["reward_mean"] == other["reward_mean"]
+        for key in ("loss", "kl", "entropy", "kl_pred", "grad_norm", "step_scale"):
+            assert mine[key] == pytest.approx(other[key], rel=1e-5, abs=1e-8), key
+
+
+def test_interleaved_pipeline_gives_pp2s_grpo_step(virtual_pipeline_runs):
+    reference, reference_summary, reference_weights = virtual_pipeline_runs["pp2"]
+    rows, summary, weights = virtual_pipeline_runs["pp2-vpp2"]
+    # the chunks were built (the summary counts the model chunks this rank holds)
+    assert summary["virtual_pipeline_model_parallel_size"] == 2
+    assert reference_summary["virtual_pipeline_model_parallel_size"] is None
+    assert "unavailable" in summary["memory_plan_bytes"]  # the planner does not model the interleaved schedule
+    assert [row["step"] for row in rows] == [row["step"] for row in reference] == [1]
+    assert_not_degenerate(reference)
+    # sampling through the chunks: the same held-out answers and the same rollouts
+    for key in ("held_out_accuracy_initial", "held_out_accuracy_before", "held_out_accuracy_after"):
+        assert summary[key] == reference_summary[key]
+    for ours, theirs in zip(rows, reference):
+        assert ours["reward_mean"] == theirs["reward_mean"] and ours["reward_std"] == theirs["reward_std"]
+        assert theirs["kl_realized"] is not None and theirs["kl_pred"] > 0
+        for key in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "kl_pred", "kl_realized", "grad_norm",
+                    "step_scale"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-8), key
+    assert_same_weights(weights, reference_weights, rtol=1e-5, atol=1e-5)

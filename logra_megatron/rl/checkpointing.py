@@ -54,6 +54,29 @@ def optimizer_compatibility(config) -> dict:
     return settings
 
 
+class ModelChunks:
+    """The model chunks of a virtual pipeline as one model for ``save_checkpoint`` and
+    ``load_checkpoint``: one ``model<i>`` entry per chunk, as Megatron-LM's checkpointing names
+    them. The tensors inside are keyed by their global layer numbers (Megatron offsets each
+    chunk's layers), so a checkpoint saved with chunks loads at any pipeline layout, with or
+    without them, and the other way round."""
+
+    def __init__(self, chunks: list):
+        self.chunks = chunks
+
+    def sharded_state_dict(self) -> dict:
+        return {f"model{index}": chunk.sharded_state_dict() for index, chunk in enumerate(self.chunks)}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        for index, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"model{index}"], strict=strict)
+
+
+def _one_model(model):
+    """``model``, or the list of a virtual pipeline's chunks as one (:class:`ModelChunks`)."""
+    return ModelChunks(model) if isinstance(model, (list, tuple)) else model
+
+
 def _optimizer_sharded(model, optimizer, is_loading=False):
     # Megatron's distributed optimizer saved per parameter: loadable at any TP/PP/DP.
     return optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading,
@@ -63,7 +86,9 @@ def _optimizer_sharded(model, optimizer, is_loading=False):
 def save_training_state(root: str, model, optimizer, model_config, state: dict, compatibility: dict,
                         keep: int = 0, tokenizer_dir: Optional[str] = None, megatron_args=None) -> None:
     """Save iteration ``state["step"]`` under ``root`` (collective over all ranks);
-    ``megatron_args``: Megatron-LM's args for the common state (``checkpoint_args.py``)."""
+    ``megatron_args``: Megatron-LM's args for the common state (``checkpoint_args.py``). ``model``:
+    one model, or a virtual pipeline's list of chunks."""
+    model = _one_model(model)
     first = dist.get_rank() == 0
     if first:
         os.makedirs(root, exist_ok=True)
@@ -192,7 +217,9 @@ def shared_checkpoint_problem(save: Optional[str], reports: List[dict]) -> Optio
 
 def load_training_state(directory: str, model, optimizer, compatibility: dict, load_optim: bool = True) -> dict:
     """Restore ``directory`` (one iteration, or converted weights) into ``model`` and
-    ``optimizer``; returns the trainer state (empty for converted weights)."""
+    ``optimizer``; returns the trainer state (empty for converted weights). ``model``: one model,
+    or a virtual pipeline's list of chunks."""
+    model = _one_model(model)
     path = os.path.join(directory, TRAINER_STATE_FILE)
     if not os.path.isfile(path):  # e.g. tools/convert_hf_to_mcore.py: starting weights only
         _load(directory, model)

@@ -239,12 +239,49 @@ class ParallelConfig:
                     "parallel linears (layer norms, dropout, residuals) are split along the sequence over the "
                     "TP ranks; the linears all-gather their input and reduce-scatter their output (the "
                     "sketching linears too). Sampling runs without it (one token per decode step)")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, help="Megatron's interleaved pipeline (--pipeline-model-parallel-size > 1): each pipeline rank "
+                   "holds several model chunks of this many layers, run by Megatron's interleaved schedule")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
+        None, help="Megatron's newer name for the same: this many model chunks per pipeline rank (give one "
+                   "of the two)")
 
     def __post_init__(self):
         _at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise UserError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
                             f"over the tensor-parallel ranks), got {self.tensor_model_parallel_size}")
+        virtual = [name for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+                   if getattr(self, name) is not None]
+        if len(virtual) == 2:
+            raise UserError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                            "say the same thing two ways; give one of them")
+        if virtual:
+            _at_least(self, 1, virtual[0])
+            if self.pipeline_model_parallel_size < 2:
+                raise UserError(f"--{virtual[0].replace('_', '-')} needs --pipeline-model-parallel-size > 1 "
+                                f"(it splits each pipeline stage into chunks), got {self.pipeline_model_parallel_size}")
+
+    def virtual_pipeline(self, layers: int) -> Optional[int]:
+        """Model chunks per pipeline rank for a model of ``layers`` layers (None: no virtual
+        pipeline), as Megatron derives it from either flag; one error line when the flag does not
+        divide a stage's layers."""
+        per_stage = layers // self.pipeline_model_parallel_size
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            chunk = self.num_layers_per_virtual_pipeline_stage
+            if per_stage % chunk:
+                raise UserError(f"--num-layers-per-virtual-pipeline-stage {chunk} must divide the {per_stage} "
+                                f"layers of a pipeline stage ({layers} layers over "
+                                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size})")
+            return per_stage // chunk
+        if self.num_virtual_stages_per_pipeline_rank is not None:
+            chunks = self.num_virtual_stages_per_pipeline_rank
+            if per_stage % chunks:
+                raise UserError(f"--num-virtual-stages-per-pipeline-rank {chunks} must divide the {per_stage} "
+                                f"layers of a pipeline stage ({layers} layers over "
+                                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size})")
+            return chunks
+        return None
 
 
 DEFAULT_PROMPTS_PER_STEP = 16
@@ -605,7 +642,11 @@ def resolve(config: TrainConfig, world_size: Optional[int] = None) -> TrainConfi
                             config.parallel.pipeline_model_parallel_size, world_size)
     name = config.model.preset if load_dir is None else load_dir
     layout.check_model(model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab, name)
-    config.recompute.check_layers(model.layers // layout.pipeline_parallel)
+    virtual = config.parallel.virtual_pipeline(model.layers)
+    config.recompute.check_layers(model.layers // layout.pipeline_parallel // (virtual or 1))
+    if virtual and config.rollout.engine != "megatron":
+        raise UserError(f"--rollout-engine {config.rollout.engine} does not take the interleaved pipeline's model "
+                        "chunks (--num-layers-per-virtual-pipeline-stage); use --rollout-engine megatron")
     if config.rollout.prompts_per_step % layout.data_parallel:
         raise UserError(f"--prompts-per-step {config.rollout.prompts_per_step} must be a multiple of the "
                         f"data-parallel size {layout.data_parallel}")

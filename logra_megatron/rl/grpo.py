@@ -25,7 +25,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from logra_megatron import parallel
 from logra_megatron.models.build import model_device, unwrap_model
@@ -36,7 +35,7 @@ from logra_megatron.rl.losses import PolicyLossConfig, aggregation_count, policy
 from logra_megatron.rollout.types import Rollouts
 from logra_megatron.training.kl_control import ProbeSet
 from logra_megatron.rl.packing import default_token_budget, token_bins
-from logra_megatron.training.lm import packed_forward, padded_forward
+from logra_megatron.training.lm import model_chunks, packed_forward, padded_forward, pipeline_pass
 
 
 # Metrics that policy_loss divides by the batch's count (sum them over microbatches); ratio_max
@@ -47,8 +46,9 @@ _MAXIMA = ("ratio_max",)
 
 def sequence_multiple(model) -> int:
     """What every sequence length ``model`` runs on must divide by: the TP size under Megatron's
-    sequence parallelism (the activations are split along the sequence over TP), else 1."""
-    return parallel.tp_size() if unwrap_model(model).config.sequence_parallel else 1
+    sequence parallelism (the activations are split along the sequence over TP), else 1.
+    ``model``: one chunk or this rank's list of them (a virtual pipeline)."""
+    return parallel.tp_size() if unwrap_model(model_chunks(model)[0]).config.sequence_parallel else 1
 
 
 def widen_to_multiple(rollouts: Rollouts, multiple: int) -> Rollouts:
@@ -114,7 +114,7 @@ def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict
 
 def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=None, vocab_size=None,
          pack=False, max_tokens=0):
-    device = model_device(model)
+    device = model_device(model_chunks(model)[0])
     if pack:
         budget = max_tokens or default_token_budget(micro_batch_size, rollouts.tokens.shape[1])
         batches = list(_packed_microbatches(model, rollouts, budget, extra or {}, device))
@@ -127,19 +127,16 @@ def _run(model, rollouts, micro_batch_size, loss_func_for, forward_only, extra=N
             raise ValueError(f"rollouts of width {seq_length} cannot be split over {multiple} "
                              "sequence-parallel ranks; widen them with widen_to_multiple")
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+    def forward_step(batch, model, num_microbatches):  # (model: one chunk)
         if pack:
             logits = packed_forward(model, batch["packed"], vocab_size)
         else:
             logits = padded_forward(model, batch["tokens"], batch["attention_mask"], batch["position_ids"],
                                     vocab_size)
-        return logits, loss_func_for(batch, len(batches))
+        return logits, loss_func_for(batch, num_microbatches)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=seq_length,
-        micro_batch_size=rows_per_call, forward_only=forward_only)
+    return pipeline_pass(model, forward_step, batches, seq_length=seq_length, micro_batch_size=rows_per_call,
+                         forward_only=forward_only)
 
 
 def _targets(batch):
@@ -181,7 +178,7 @@ def sequence_logprobs(model, rollouts: Rollouts, micro_batch_size: int, temperat
     outputs = _run(model, rollouts, micro_batch_size, loss_func_for, forward_only=True, vocab_size=vocab_size,
                    pack=pack, max_tokens=max_tokens)
     shape = (rollouts.tokens.shape[0], rollouts.tokens.shape[1] - 1)
-    device = model_device(model)
+    device = model_device(model_chunks(model)[0])
     logprobs = torch.zeros(shape, device=device)
     entropy = torch.zeros(shape, device=device)
     if parallel.is_last_stage():
@@ -207,7 +204,7 @@ def policy_loss_backward(model, rollouts: Rollouts, advantages: torch.Tensor,
     ratio_max, entropy, kl (if on), tis_weight_mean (with ``--tis-cap`` and ``engine_logprobs``,
     the rollout engine's log-probs laid out like ``old_logprobs``). ``keep_logits`` (the KL
     controller's ``StepLogits``) is shown each microbatch's rows and logits on the last stage."""
-    device = model_device(model)
+    device = model_device(model_chunks(model)[0])
     response_tokens = rollouts.response_mask[:, 1:].to(device).float().sum().clamp(min=1)
     # Megatron's DDP (and LoGRA's sketch reduction) average gradients over data-parallel
     # replicas, so each rank divides by the global count / dp: the average is the global mean.

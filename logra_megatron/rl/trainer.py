@@ -51,7 +51,7 @@ from logra_megatron.rl.tasks import TaskSource
 from logra_megatron.rl.tokenizers import run_tokenizer_files
 from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.training.kl_control import PredictedKLController
-from logra_megatron.training.lm import lm_forward_backward
+from logra_megatron.training.lm import lm_forward_backward, model_chunks
 from logra_megatron.training.lr_schedule import build_scheduler
 from logra_megatron.training.setup import build_trainable, train_step
 
@@ -98,8 +98,9 @@ class Run:
     tokenizer: object
     tasks: TaskSource
     prompt_format: PromptFormat
-    model: torch.nn.Module
-    ddp: torch.nn.Module
+    model: object
+    """This rank's model, or under a virtual pipeline the list of its chunks (as ``ddp``)."""
+    ddp: object
     optimizer: object
     engine: object
     controller: PredictedKLController
@@ -108,7 +109,7 @@ class Run:
     held_out: list
     state: TrainerState
     start_time: float
-    reference: Optional[torch.nn.Module] = None
+    reference: Optional[object] = None
 
     @property
     def vocab(self) -> int:
@@ -191,7 +192,8 @@ def build(config: TrainConfig) -> Run:
     config = config if config.model_config is not None else resolve(config)
     start_time = time.perf_counter()
     parallel.initialize(config.parallel.tensor_model_parallel_size,
-                        config.parallel.pipeline_model_parallel_size, seed=config.run.seed)
+                        config.parallel.pipeline_model_parallel_size, seed=config.run.seed,
+                        virtual_pipeline=config.parallel.virtual_pipeline(config.model_config.layers))
     # Several ranks (nodes): --save must be one directory all of them see, --load the same checkpoint
     # everywhere; else one error line now, not a lost save later (docs/MULTI_NODE.md).
     check_shared_checkpoints(config.checkpoint.save, config.load_dir)
@@ -389,7 +391,8 @@ def optimizer_step(run: Run, rollouts, advantages, old_logprobs, ref_logprobs, e
     finite). Returns the loss's metrics and the controller's."""
     config, ddp = run.config, run.ddp
     micro = min(config.run.micro_batch_size, rollouts.num_sequences)
-    ddp.zero_grad_buffer()
+    for chunk in model_chunks(ddp):
+        chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     # The KL probe: completions spread over the minibatch's prompts, and rows it does not see for
     # the realized KL out of sample. They are rows of this minibatch, so the loss's forward keeps
@@ -476,6 +479,7 @@ def save(run: Run) -> None:
     kind, path = run_tokenizer_files(config.model, config.load_dir)
     args = megatron_lm_args(config.model_config, config.parallel.tensor_model_parallel_size,
                             config.parallel.pipeline_model_parallel_size, iteration=run.state.step,
+                            virtual_pipeline=config.parallel.virtual_pipeline(config.model_config.layers),
                             bf16=config.model.bf16, tokenizer_type=kind, tokenizer_model=path,
                             seq_length=config.rollout.seq_length)
     save_training_state(config.checkpoint.save, run.model, run.optimizer, config.model_config,
@@ -487,7 +491,7 @@ def save(run: Run) -> None:
 
 def write_summary(run: Run, finished: bool) -> dict:
     config = run.config
-    planned = state_bytes(run.model, config.logra)
+    planned = [state_bytes(chunk, config.logra) for chunk in model_chunks(run.model)]
     summary = run.state.summary
     summary.update({
         "steps": run.state.step, "finished": finished, "optimizer": config.optimizer.kind,
@@ -495,12 +499,13 @@ def write_summary(run: Run, finished: bool) -> dict:
         "num_attention_heads": config.model_config.heads, "num_query_groups": config.model_config.kv_heads,
         "rollout_engine": config.rollout.engine, "policy_sync": config.rollout.policy_sync,
         "wall_time_s": time.perf_counter() - run.start_time,
-        "state_bytes": {"dense": planned["dense"].total, "logra": planned["logra"].total},
+        "state_bytes": {kind: sum(chunk[kind].total for chunk in planned) for kind in ("dense", "logra")},
         "tensor_model_parallel_size": parallel.tp_size(),
         "pipeline_model_parallel_size": parallel.pp_size(),
         "data_parallel_size": parallel.dp_size(),
         # the model as built (Megatron's config), not the flag: what the run really did
-        "sequence_parallel": bool(unwrap_model(run.model).config.sequence_parallel),
+        "sequence_parallel": bool(unwrap_model(model_chunks(run.model)[0]).config.sequence_parallel),
+        "virtual_pipeline_model_parallel_size": len(run.model) if isinstance(run.model, list) else None,
     })
     summary["reward_failures"] = dict(run.reward.failures)
     run.reward.close()
@@ -551,18 +556,24 @@ def supervised_batch(records, tokenizer, seq_length, prompt_format: Optional[Pro
     return tokens, mask
 
 
-def frozen_reference(run: Run) -> torch.nn.Module:
+def frozen_reference(run: Run):
     """A frozen copy of the policy as it enters the RL phase (after any warm-up; on a resumed
-    run, as it was at the resume point), for the KL-to-reference penalty."""
+    run, as it was at the resume point), for the KL-to-reference penalty; chunk by chunk under a
+    virtual pipeline (a list, as the policy's)."""
     model_config = run.config.model_config
+    policy = model_chunks(run.model)
+    virtual = len(policy) if isinstance(run.model, list) else None
     config = transformer_config(model_config, parallel.tp_size(), parallel.pp_size(), dtype=_dtype(run.config),
-                                sequence_parallel=run.config.parallel.sequence_parallel)
+                                sequence_parallel=run.config.parallel.sequence_parallel, virtual_pipeline=virtual)
     spec = gpt_layer_spec(use_transformer_engine=False, attention_backend=run.config.model.attention_backend)
-    reference = build_gpt_model(model_config, config, spec)
-    reference.load_state_dict(run.model.state_dict())  # built on the policy's device
-    for param in reference.parameters():
-        param.requires_grad_(False)
-    return reference.eval()
+    chunks = []
+    for vp_stage, chunk in enumerate(policy):
+        reference = build_gpt_model(model_config, config, spec, vp_stage=vp_stage if virtual else None)
+        reference.load_state_dict(chunk.state_dict())  # built on the policy's device
+        for param in reference.parameters():
+            param.requires_grad_(False)
+        chunks.append(reference.eval())
+    return chunks if virtual else chunks[0]
 
 
 def _my_share(items: list) -> list:

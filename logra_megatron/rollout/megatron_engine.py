@@ -58,7 +58,11 @@ same tokens and takes the same stop decision without further communication.
 **Pipeline.** One microbatch per step, stage by stage: a non-first stage receives the previous
 stage's hidden states with Megatron's inference p2p helpers and hands them to the model through
 ``set_input_tensor``; a non-last stage sends its output on. There is nothing to overlap within
-one decode step, so no schedule is involved.
+one decode step, so no schedule is involved. Under a virtual pipeline (``model`` the list of a
+rank's chunks) a forward runs the rank's chunks one after another, each a stage of the ring
+rank 0 -> .. -> rank PP-1 -> rank 0 -> ..: chunk ``v`` of the last rank sends to chunk ``v + 1``
+of the first, so the model's layers run in their order and the KV cache (keyed by the global
+layer number) holds every chunk's layers.
 
 **Data parallel.** Replicas generate independently: each passes its own prompts and no collective
 spans replicas. All ranks of one replica must pass the same prompts and config. The seed is used
@@ -85,13 +89,15 @@ from logra_megatron.models.positions import pack_rows, padded_causal_mask, rope_
 from logra_megatron.models.sdpa_attention import SDPAttention
 from logra_megatron.rollout.sampling import sample_next
 from logra_megatron.rollout.types import PromptLayout, Rollouts, SamplingConfig
+from logra_megatron.training.lm import model_chunks
 
 
 def _honors_padding_mask(model) -> bool:
     """True when every attention layer of this stage applies an explicit boolean mask in both
     prefill and decode (Megatron's local ``DotProductAttention`` and ``SDPAttention`` do; TE's
     does not)."""
-    layers = [m for name, m in unwrap_model(model).named_modules() if name.endswith("core_attention")]
+    layers = [m for chunk in model_chunks(model) for name, m in unwrap_model(chunk).named_modules()
+              if name.endswith("core_attention")]
     return all(isinstance(layer, (DotProductAttention, SDPAttention)) for layer in layers)
 
 
@@ -102,20 +108,25 @@ def _stage_forward(model, tokens, position_ids, attention_mask, context=None, pa
     Receives the previous stage's hidden states (non-first stages), sends this stage's output on
     (non-last stages) and returns the full-vocabulary logits [B, s', V] on the last stage (s' = 1
     with a static inference context, which materializes only the last column), None elsewhere.
+    Several chunks (a virtual pipeline) run in order, each receiving from and sending to the
+    neighbouring pipeline ranks of the ring (the module docstring).
     """
-    if not parallel.is_first_stage():
-        config = unwrap_model(model).config
-        buffer = torch.empty(tokens.shape[1], tokens.shape[0], config.hidden_size,
-                             dtype=config.pipeline_dtype or config.params_dtype, device=tokens.device)
-        recv_from_prev_pipeline_rank_(buffer, parallel.pp_group())
-        get_attr_wrapped_model(model, "set_input_tensor")(buffer)
-    output = model(tokens, position_ids, attention_mask, inference_context=context,
-                   runtime_gather_output=True, packed_seq_params=packed_seq_params)
-    if context is not None:
+    output = None
+    for chunk in model_chunks(model):
+        gpt = unwrap_model(chunk)
+        if not gpt.pre_process:
+            config = gpt.config
+            buffer = torch.empty(tokens.shape[1], tokens.shape[0], config.hidden_size,
+                                 dtype=config.pipeline_dtype or config.params_dtype, device=tokens.device)
+            recv_from_prev_pipeline_rank_(buffer, parallel.pp_group())
+            get_attr_wrapped_model(chunk, "set_input_tensor")(buffer)
+        output = chunk(tokens, position_ids, attention_mask, inference_context=context,
+                       runtime_gather_output=True, packed_seq_params=packed_seq_params)
+        if not gpt.post_process:
+            send_to_next_pipeline_rank(output.contiguous(), parallel.pp_group())
+            output = None
+    if context is not None:  # once per token column, whatever the chunks
         context.increment_sequence_len_offset(tokens.shape[1])
-    if not parallel.is_last_stage():
-        send_to_next_pipeline_rank(output.contiguous(), parallel.pp_group())
-        return None
     return output
 
 
@@ -157,9 +168,9 @@ def packs_prefill(model) -> bool:
     (Megatron's local ``DotProductAttention`` takes no packed sequences), and neither sequence
     parallelism (the output layer's input would be a sequence shard) nor flash decoding (it
     caches rotated keys) is on."""
-    gpt = unwrap_model(model)
-    layers = [m for name, m in gpt.named_modules() if name.endswith("core_attention")]
-    config = gpt.config
+    chunks = [unwrap_model(chunk) for chunk in model_chunks(model)]
+    layers = [m for gpt in chunks for name, m in gpt.named_modules() if name.endswith("core_attention")]
+    config = chunks[0].config
     return (bool(layers) and all(isinstance(layer, SDPAttention) for layer in layers)
             and not config.sequence_parallel and not config.flash_decode)
 
@@ -171,22 +182,24 @@ def without_sequence_parallel(model):
     over the TP ranks, and the padded prefill's width need not divide by TP. The two compute the
     same function (SP only moves where the activations outside the linears live); Megatron's own
     ``set_model_to_sequence_parallel`` switches the model's config and its layers' flags."""
-    gpt = unwrap_model(model)
-    if not gpt.config.sequence_parallel:
+    chunks = [unwrap_model(chunk) for chunk in model_chunks(model)]
+    if not chunks[0].config.sequence_parallel:
         yield
         return
-    set_model_to_sequence_parallel(gpt, False)
+    for gpt in chunks:
+        set_model_to_sequence_parallel(gpt, False)
     try:
         yield
     finally:
-        set_model_to_sequence_parallel(gpt, True)
+        for gpt in chunks:
+            set_model_to_sequence_parallel(gpt, True)
 
 
 @contextlib.contextmanager
 def _output_rows(model, index: torch.Tensor):
     """Within the block, this stage's output layer (last stage only) computes the logits of the
     packed positions ``index`` alone: ``[len(index), V]`` instead of one row per packed token."""
-    gpt = unwrap_model(model)
+    gpt = unwrap_model(model_chunks(model)[-1])  # (the output layer is in the last chunk)
     layer = getattr(gpt, "output_layer", None) if gpt.post_process else None
     if layer is None:
         yield
@@ -264,8 +277,18 @@ def generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, pa
         return _generate(model, prompts, config, pack)
 
 
+@contextlib.contextmanager
+def _rope_positions(model, positions: torch.Tensor):
+    """:func:`rope_positions` on every chunk (each applies its own rotary embedding)."""
+    with contextlib.ExitStack() as stack:
+        for chunk in model_chunks(model):
+            stack.enter_context(rope_positions(chunk, positions))
+        yield
+
+
 def _generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, pack: bool) -> Rollouts:
-    gpt = unwrap_model(model)
+    chunks = model_chunks(model)
+    gpt = unwrap_model(chunks[0])
     device = model_device(gpt)
     _check_prompts(prompts, config, gpt.vocab_size, gpt.max_sequence_length)
     layout = PromptLayout.of(prompts, config.samples_per_prompt, config.max_new_tokens, config.pad_id, device)
@@ -293,14 +316,15 @@ def _generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, p
     context = StaticInferenceContext(max_batch_size=batch, max_sequence_length=total)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     response_lengths = torch.zeros(batch, dtype=torch.int64, device=device)
-    was_training = model.training
-    model.eval()
+    was_training = chunks[0].training
+    for chunk in chunks:
+        chunk.eval()
     steps = 0
     try:
         if packed:  # positions restart at each prompt: no per-row rotary needed for the prefill
             logits = prefill_packed(model, layout, config.samples_per_prompt, context)
         # Without padding every row's positions are the slot indices Megatron uses anyway.
-        with rope_positions(model, positions) if padded else contextlib.nullcontext():
+        with _rope_positions(model, positions) if padded else contextlib.nullcontext():
             if not packed:
                 logits = prefill_padded(model, layout, context)
             context.enable_decode_mode()
@@ -323,9 +347,10 @@ def _generate(model, prompts: Sequence[Sequence[int]], config: SamplingConfig, p
                 logits = _stage_forward(model, tokens[:, column:column + 1],
                                         positions[:, column:column + 1], decode_mask, context)
     finally:
-        model.train(was_training)
-        if not parallel.is_first_stage():
-            get_attr_wrapped_model(model, "set_input_tensor")(None)
+        for chunk in chunks:
+            chunk.train(was_training)
+            if not unwrap_model(chunk).pre_process:
+                get_attr_wrapped_model(chunk, "set_input_tensor")(None)
 
     return layout.rollouts(response_lengths, done, steps)
 

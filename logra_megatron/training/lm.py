@@ -7,16 +7,98 @@
   the GRPO probe rows of left-padded rollouts).
 - :func:`padded_forward`: one model call on a left-padded batch (rollouts), shared with the
   GRPO passes; :func:`packed_forward` the same rows packed without padding.
+- :func:`pipeline_pass`: Megatron's schedule over a list of microbatches, with one model chunk
+  or several (the interleaved schedule of a virtual pipeline); every pass above goes through it.
+
+``model`` is this rank's model, or under a virtual pipeline (``--num-layers-per-virtual-pipeline-stage``)
+the list of its chunks; the functions called with one chunk at a time (``padded_forward``,
+``packed_forward``) ask that chunk whether it ends the model (``post_process``).
 """
+
+import contextlib
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
 from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for, unwrap_model
 from logra_megatron.models.positions import PackedRows, padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
+
+
+def model_chunks(model) -> list:
+    """This rank's model chunks: ``model`` itself in a list, or the list of chunks a virtual
+    pipeline builds (one per virtual stage, in order)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def ends_model(model) -> bool:
+    """True when ``model`` (one chunk, wrapped or not) computes the logits: the last stage's
+    only chunk, or its last chunk under a virtual pipeline."""
+    return bool(unwrap_model(model).post_process)
+
+
+def microbatch_group_size(num_microbatches: int, pipeline: int) -> int:
+    """The contiguous microbatches per virtual stage for Megatron's interleaved schedule
+    (``microbatch_group_size_per_vp_stage``, default the pipeline size): megatron-core 0.16.1
+    (pipeline_parallel/schedules.py) wants it in [PP, M] and the remainder ``M % N`` 0 or at
+    least PP. The smallest such ``N`` (a larger one keeps more activations in flight); M = PP
+    gives PP, any M >= PP has one (N = M)."""
+    for size in range(pipeline, num_microbatches + 1):
+        remainder = num_microbatches % size
+        if remainder == 0 or remainder >= pipeline:
+            return size
+    raise ValueError(f"{num_microbatches} microbatches are fewer than the pipeline's {pipeline} stages")
+
+
+@contextlib.contextmanager
+def _group_size(chunks: list, num_microbatches: int):
+    config = get_model_config(chunks[0])  # (one TransformerConfig serves every chunk)
+    saved = config.microbatch_group_size_per_vp_stage
+    config.microbatch_group_size_per_vp_stage = microbatch_group_size(num_microbatches, parallel.pp_size())
+    try:
+        yield
+    finally:
+        config.microbatch_group_size_per_vp_stage = saved
+
+
+def _filler_loss(output):
+    # zero loss (and so exactly zero gradients and sketches) for a microbatch that only fills the pipeline
+    return output.float().sum() * 0, {}
+
+
+def pipeline_pass(model, forward_step, batches: list, seq_length: int, micro_batch_size: int,
+                  forward_only: bool) -> list:
+    """Megatron's forward(-backward) schedule over ``batches``, one microbatch each; returns the
+    loss functions' reports in microbatch order on the last stage (``[]`` elsewhere).
+
+    ``forward_step(batch, chunk, num_microbatches)`` returns ``(output, loss_func)`` as Megatron's
+    forward step does (``num_microbatches``: what the schedule divides the loss by). With several
+    chunks it is Megatron's interleaved schedule: one data iterator per chunk over the same
+    microbatches. That schedule needs at least PP microbatches; a pass with fewer (a KL probe
+    part, a small minibatch) is filled up with copies of its last microbatch whose loss is zero
+    times the output (no gradient, no sketch) and whose reports are dropped."""
+    chunks = model_chunks(model)
+    items = [(batch, False) for batch in batches]
+    if len(chunks) > 1 and len(items) < parallel.pp_size():
+        items += [(batches[-1], True)] * (parallel.pp_size() - len(items))
+    total = len(items)
+
+    def step(data_iterator, chunk):
+        batch, filler = next(data_iterator)
+        output, loss_func = forward_step(batch, chunk, total)
+        return output, _filler_loss if filler else loss_func
+
+    with _group_size(chunks, total) if len(chunks) > 1 else contextlib.nullcontext():
+        outputs = get_forward_backward_func()(
+            forward_step_func=step,
+            # the interleaved schedule reads each chunk's microbatches from that chunk's iterator
+            data_iterator=iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks],
+            model=chunks, num_microbatches=total, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=forward_only)
+    return list(outputs)[:len(batches)] if parallel.is_last_stage() else []
 
 
 def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -42,8 +124,7 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
     batch, length = tokens.shape
     if batch % micro_batch_size != 0:
         raise ValueError(f"batch {batch} is not a multiple of micro batch size {micro_batch_size}")
-    chunks = model if isinstance(model, list) else [model]  # several under a virtual pipeline
-    device = model_device(chunks[0])
+    device = model_device(model_chunks(model)[0])
     tokens = tokens.to(device)
     loss_mask = None if loss_mask is None else loss_mask.to(device)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -58,13 +139,13 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
         for i in range(0, batch, micro_batch_size)
     ]
 
-    def forward_step(data_iterator, model):
-        mb_inputs, mb_labels, mb_mask, first = next(data_iterator)
+    def forward_step(microbatch, model, _):
+        mb_inputs, mb_labels, mb_mask, first = microbatch
         if vocab_size is None and keep_logits is None:
             output = model(mb_inputs, position_ids_for(mb_inputs), mask, labels=mb_labels)
             return output, lambda out: _lm_loss(mb_mask, out)
         logits = model(mb_inputs, position_ids_for(mb_inputs), mask)
-        if not unwrap_model(model).post_process:  # not the model's last chunk: hidden states
+        if not ends_model(model):  # not the model's last chunk: hidden states
             return logits, lambda out: _lm_loss(mb_mask, out)  # only the last stage calls it
         logits = mask_padded_vocab(logits, vocab_size)
         if keep_logits is not None:
@@ -72,16 +153,8 @@ def lm_forward_backward(model, tokens: torch.Tensor, micro_batch_size: int,
         per_token = vocab_parallel_cross_entropy(logits.float(), mb_labels)
         return per_token, lambda out: _lm_loss(mb_mask, out)
 
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        # the interleaved schedule reads each chunk's microbatches from that chunk's iterator
-        data_iterator=iter(microbatches) if len(chunks) == 1 else [iter(microbatches) for _ in chunks],
-        model=chunks,
-        num_microbatches=len(microbatches),
-        seq_length=length - 1,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    losses = pipeline_pass(model, forward_step, microbatches, seq_length=length - 1,
+                           micro_batch_size=micro_batch_size, forward_only=forward_only)
     mean = 0.0
     if parallel.is_last_stage():
         mean = float(sum(item["lm loss"] for item in losses) / len(losses))
@@ -99,7 +172,7 @@ def padded_forward(model, tokens: torch.Tensor, attention_mask: torch.Tensor, po
     tokens, attention_mask, position_ids = tokens.to(device), attention_mask.to(device), position_ids.to(device)
     with rope_positions(model, position_ids):
         output = model(tokens, position_ids, padded_causal_mask(attention_mask))
-    return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
+    return mask_padded_vocab(output, vocab_size) if ends_model(model) else output
 
 
 def packed_forward(model, packed: PackedRows, vocab_size: int = None) -> torch.Tensor:
@@ -108,7 +181,7 @@ def packed_forward(model, packed: PackedRows, vocab_size: int = None) -> torch.T
     ``vocab_size`` is given), each row computing what it alone would (rotary positions restart
     and attention stops at each ``cu_seqlens`` boundary)."""
     output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.params)
-    return mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
+    return mask_padded_vocab(output, vocab_size) if ends_model(model) else output
 
 
 @torch.no_grad()
@@ -116,15 +189,14 @@ def forward_packed_logits(model, packed: PackedRows, vocab_size: int = None):
     """Vocab-parallel logits ``[1, t, V/tp]`` of one packed sequence through the pipeline
     schedule (forward only) on the last stage; ``None`` on other stages."""
 
-    packed = packed.to(model_device(model))
+    packed = packed.to(model_device(model_chunks(model)[0]))
 
-    def forward_step(data_iterator, model):
-        output = packed_forward(model, next(data_iterator), vocab_size)
+    def forward_step(batch, model, _):
+        output = packed_forward(model, batch, vocab_size)
         return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
 
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([packed]), model=[model], num_microbatches=1,
-        seq_length=packed.tokens.shape[1], micro_batch_size=1, forward_only=True)
+    outputs = pipeline_pass(model, forward_step, [packed], seq_length=packed.tokens.shape[1], micro_batch_size=1,
+                            forward_only=True)
     return outputs[0]["logits"] if parallel.is_last_stage() else None
 
 
@@ -140,24 +212,21 @@ def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, at
     """
     batch, length = tokens.shape
     micro_batch_size = min(micro_batch_size or batch, batch)
-    tokens = tokens.to(model_device(model))
+    tokens = tokens.to(model_device(model_chunks(model)[0]))
     causal = causal_attention_mask(length, device=tokens.device) if attention_mask is None else None
     parts = [slice(i, i + micro_batch_size) for i in range(0, batch, micro_batch_size)]
 
-    def forward_step(data_iterator, model):
-        part = next(data_iterator)
+    def forward_step(part, model, _):
         if causal is not None:
             inputs = tokens[part]
             output = model(inputs, position_ids_for(inputs), causal)
-            output = mask_padded_vocab(output, vocab_size) if parallel.is_last_stage() else output
+            output = mask_padded_vocab(output, vocab_size) if ends_model(model) else output
         else:
             output = padded_forward(model, tokens[part], attention_mask[part], position_ids[part], vocab_size)
         return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
 
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(parts), model=[model],
-        num_microbatches=len(parts), seq_length=length, micro_batch_size=micro_batch_size,
-        forward_only=True)
+    outputs = pipeline_pass(model, forward_step, parts, seq_length=length, micro_batch_size=micro_batch_size,
+                            forward_only=True)
     if not parallel.is_last_stage():
         return None
     return torch.cat([item["logits"] for item in outputs], dim=0)
