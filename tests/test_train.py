@@ -331,6 +331,9 @@ def test_kl_to_reference_penalty_runs_and_is_logged(tmp_path):
                  "say the same thing two ways; give one of them", id="virtual-pipeline-both-flags"),
     pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--logra-embeddings"],
                  "--logra-embeddings does not run under --sequence-parallel", id="sequence-parallel-embeddings"),
+    pytest.param(["--overlap-grad-reduce", "--overlap-param-gather"],
+                 "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
+                 id="overlap-param-gather-without-zero1"),
     # not a trainer flag (no context-parallel path: docs/SCALING.md): refused, not ignored
     pytest.param(["--context-parallel-size", "2"], "unrecognized arguments: --context-parallel-size",
                  id="context-parallel"),
@@ -406,17 +409,23 @@ def test_example_configs_parse(example, extra):
 def test_overlapped_gradient_reduction_changes_no_number(tmp_path):
     # --overlap-grad-reduce at DP=2: the dense buckets and LoGRA's sketch buckets reduce during the
     # backward (logra/sketch_overlap.py); every element is still reduced once by the same
-    # all-reduce, so each logged figure equals the blocking run's.
+    # all-reduce, so each logged figure equals the blocking run's. Under the distributed optimizer
+    # (reduce-scatter in buckets) with --overlap-param-gather too, the weights' all-gather is left
+    # to the next forward's hooks and completed before the checkpoint and each sync.
     runs = {}
-    for name, extra in (("blocking", []), ("overlapped", ["--overlap-grad-reduce"])):
+    zero1 = ["--use-distributed-optimizer"]
+    for name, extra in (("blocking", []), ("overlapped", ["--overlap-grad-reduce"]), ("zero1", zero1),
+                        ("zero1-overlapped", [*zero1, "--overlap-grad-reduce", "--overlap-param-gather"])):
         proc = train([*SMALL, "--train-iters", "2", "--micro-batch-size", "2",
                       "--num-minibatches", "2", *extra, "--output-dir", str(tmp_path / name)], nproc=2)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[name] = metrics(tmp_path / name)
     assert_not_degenerate(runs["blocking"])
-    for ours, theirs in zip(runs["overlapped"], runs["blocking"]):
-        for key in ("loss", "grad_norm", "kl_pred", "step_scale", "reward_mean"):
-            assert ours[key] == theirs[key], key
+    for overlapped, blocking in (("overlapped", "blocking"), ("zero1-overlapped", "zero1")):
+        assert len(runs[overlapped]) == len(runs[blocking]) == 2
+        for ours, theirs in zip(runs[overlapped], runs[blocking]):
+            for key in ("loss", "grad_norm", "kl_pred", "step_scale", "reward_mean"):
+                assert ours[key] == theirs[key], (overlapped, key)
 
 
 @pytest.mark.parametrize("args,message", [

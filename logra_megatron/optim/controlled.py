@@ -218,7 +218,7 @@ class ControlledOptimizer(ChainedOptimizer):
         elif self._before is not None:
             for main, after in zip(self._mains(), self._after):
                 main.copy_(after)
-            self._publish()
+            self._publish(defer_gather=True)  # the next forward gathers (--overlap-param-gather)
         if self.low_rank is not None:
             self.low_rank.commit(scale)
         self._before = self._after = None
@@ -284,6 +284,6 @@ class ControlledOptimizer(ChainedOptimizer):
     def _copy_mains(self) -> List[torch.Tensor]:
         return [main.detach().clone() for main in self._mains()]
 
-    def _publish(self) -> None:
+    def _publish(self, defer_gather: bool = False) -> None:
         for part in self.dense:
-            publish_main_params(part)
+            publish_main_params(part, defer_gather)

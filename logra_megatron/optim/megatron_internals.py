@@ -53,14 +53,22 @@ def master_param_groups(optimizer: MegatronOptimizer) -> List[List[torch.nn.Para
     return []
 
 
-def publish_main_params(optimizer: MegatronOptimizer) -> None:
+def publish_main_params(optimizer: MegatronOptimizer, defer_gather: bool = False) -> None:
     """Main parameters -> model parameters, as Megatron does at the end of its step (a copy,
-    and under the distributed optimizer the all-gather of every rank's shard)."""
+    and under the distributed optimizer the all-gather of every rank's shard). ``defer_gather``
+    with ``--overlap-param-gather``: as Megatron's own step does, leave the all-gather to the next
+    forward's pre-hooks, bucket by bucket beside the compute; they gather a bucket group only while
+    it is not marked dispatched (``param_gather_dispatched``, read from megatron-core 0.16.1
+    ``param_and_grad_buffer.py``), so the mark is cleared here."""
     if isinstance(optimizer, (DistributedOptimizer, Float16OptimizerWithFloat16Params)):
         optimizer._copy_main_params_to_model_params()
     if isinstance(optimizer, DistributedOptimizer):
         for chunk in optimizer.model_chunks:
-            chunk.start_param_sync(force_sync=True)
+            if defer_gather and chunk.ddp_config.overlap_param_gather:
+                for group in chunk.bucket_groups:
+                    group.param_gather_dispatched = False
+            else:
+                chunk.start_param_sync(force_sync=True)
 
 
 DISTRIBUTED_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -234,6 +234,10 @@ class ParallelConfig:
     overlap_grad_reduce: bool = option(
         False, help="Megatron's: the data-parallel gradient reduction in buckets during the backward; with LoGRA "
                     "the sketches' too (each bucket's all-reduce starts when its layers' backward is done)")
+    overlap_param_gather: bool = option(
+        False, help="Megatron's (with --use-distributed-optimizer and --overlap-grad-reduce): the updated dense "
+                    "weights' all-gather runs bucket by bucket ahead of the next forward, not inside the step; "
+                    "sketched weights are updated in place on every rank and never gathered")
     sequence_parallel: bool = option(
         False, help="Megatron's: with --tensor-model-parallel-size > 1, the activations outside the tensor-"
                     "parallel linears (layer norms, dropout, residuals) are split along the sequence over the "
@@ -496,6 +500,9 @@ class TrainConfig:
         if self.parallel.sequence_parallel and self.logra.embeddings and self.optimizer.sketched:
             raise UserError("--logra-embeddings does not run under --sequence-parallel (the sketched embedding "
                             "takes no sequence-parallel output); drop one of them")
+        if self.parallel.overlap_param_gather and not (self.optimizer.distributed and self.parallel.overlap_grad_reduce):
+            raise UserError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+                            "(as Megatron-LM's)")
         if self.logra.zero1 != self.optimizer.distributed:
             object.__setattr__(self, "logra", dataclasses.replace(self.logra, zero1=self.optimizer.distributed))
         # --global-batch-size counts rows, --prompts-per-step prompts: one number decides both.

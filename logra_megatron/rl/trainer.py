@@ -53,7 +53,7 @@ from logra_megatron.rollout.engine import build_rollout_engine
 from logra_megatron.training.kl_control import PredictedKLController
 from logra_megatron.training.lm import lm_forward_backward, model_chunks
 from logra_megatron.training.lr_schedule import build_scheduler
-from logra_megatron.training.setup import build_trainable, train_step
+from logra_megatron.training.setup import build_trainable, gather_updated_weights, train_step
 
 # Sampling seeds: a function of (run seed, step, data-parallel rank), distinct for each, so a
 # resumed run draws what the uninterrupted one drew and replicas draw different samples.
@@ -205,6 +205,7 @@ def build(config: TrainConfig) -> Run:
                                             recompute=config.recompute,
                                             attention_backend=config.model.attention_backend,
                                             overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+                                            overlap_param_gather=config.parallel.overlap_param_gather,
                                             sequence_parallel=config.parallel.sequence_parallel)
     state = TrainerState()
     if config.load_dir:
@@ -275,6 +276,7 @@ def supervised_warmup(run: Run) -> None:
         scheduler.step(1)
         run.logger.warmup(step, warmup.iters, loss, grad_norm)
     if warmup.iters:
+        gather_updated_weights(run.ddp)
         run.engine.sync_weights(run.ddp)  # an engine with its own weights samples the warmed-up policy
 
 
@@ -345,6 +347,7 @@ def rl_step(run: Run, step: int) -> dict:
     control = combine_steps(steps)
     sync = {"sync_bytes": 0.0, "sync_time_s": 0.0}
     if control["success"]:
+        gather_updated_weights(ddp)  # --overlap-param-gather: the sync reads the weights directly
         sync = run.engine.sync_weights(ddp)
         count_sync(run.state.summary, sync)
 
@@ -476,6 +479,7 @@ def preemption_line(run: Run, signal_name: str) -> str:
 def save(run: Run) -> None:
     config = run.config
     run.state.controller = run.controller.state_dict()
+    gather_updated_weights(run.ddp)  # --overlap-param-gather: the save reads the weights directly
     kind, path = run_tokenizer_files(config.model, config.load_dir)
     args = megatron_lm_args(config.model_config, config.parallel.tensor_model_parallel_size,
                             config.parallel.pipeline_model_parallel_size, iteration=run.state.step,

@@ -91,6 +91,16 @@ def build_trainable(model_config: ModelConfig, settings: OptimizerSettings,
     return models[0], ddp_models[0], optimizer
 
 
+def gather_updated_weights(ddp_model) -> None:
+    """Complete the dense weights' all-gather that ``--overlap-param-gather`` leaves to the next
+    forward's pre-hooks (Megatron's DDP), for whatever reads the weights outside such a forward: a
+    checkpoint save, a weight sync into another engine. Megatron-LM's ``training.py`` does the
+    same before it saves or evaluates (``disable_forward_pre_hook``). A no-op without the flag."""
+    for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def train_step(ddp_model, optimizer: TrainingOptimizer, run_forward_backward):
     """One optimizer step: clear grads/sketches, run forward/backward, step.
 
