@@ -52,9 +52,7 @@ def build_parser():
     add_flags(parser, ModelSourceConfig, "preset", "bf16")
     parser.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: the preset's)")
     add_flags(parser, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "overlap_grad_reduce", "sequence_parallel", "num_layers_per_virtual_pipeline_stage")
-    parser.add_argument("--overlap-param-gather", action="store_true",
-                        help="Megatron's: the distributed optimizer's parameter all-gather overlapped with the forward")
+              "overlap_grad_reduce", "overlap_param_gather", "sequence_parallel", "num_layers_per_virtual_pipeline_stage")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,
                         help="elements per gradient bucket (Megatron's; LoGRA's sketch buckets too)")
     add_flags(parser, RunConfig, "micro_batch_size", "train_iters", "seed", "exit_interval",
