@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from controller_doubles import NoLogits, Proposal
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
@@ -28,33 +29,6 @@ TOKENS = torch.randint(0, MODEL.vocab, (8, 33), generator=torch.Generator().manu
 TARGET = 0.02
 
 
-class _Proposal:
-    """An optimizer whose proposed step is all the controller needs (the KL is synthetic)."""
-
-    def __init__(self):
-        self.committed = []
-
-    def propose(self):
-        return True, 1.0, None
-
-    def preview(self, scale):
-        pass
-
-    def commit(self, scale):
-        self.committed.append(scale)
-
-    def discard(self):
-        pass
-
-    def extra_bytes(self):
-        return 0
-
-
-class _NoLogits:
-    def base(self, probe):
-        return []
-
-
 @pytest.mark.parametrize("exponent", [1.5, 2.0])
 def test_a_drifting_step_is_one_forecast_and_stays_within_the_tolerance(exponent):
     """KL(s D) = c s^e with c growing or shrinking 15% a step (past the band of 1.1 at the
@@ -65,7 +39,7 @@ def test_a_drifting_step_is_one_forecast_and_stays_within_the_tolerance(exponent
     rescale along s^1 moves the KL by the square of the factor it corrects.)"""
     controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET, realized_interval=0))
     tolerance = controller.config.tolerance
-    optimizer, strength = _Proposal(), 10 * TARGET
+    optimizer, strength = Proposal(), 10 * TARGET
     for step in range(8):
         strength *= 1.15 if step % 4 < 2 else 1 / 1.15
         calls = []
@@ -76,7 +50,7 @@ def test_a_drifting_step_is_one_forecast_and_stays_within_the_tolerance(exponent
 
         controller.kl = synthetic_kl
         previous = controller.settled_scale
-        metrics = controller.step(None, optimizer, None, step_logits=_NoLogits())
+        metrics = controller.step(None, optimizer, None, step_logits=NoLogits())
         realized = strength * metrics["step_scale"] ** exponent
         assert TARGET / tolerance <= realized <= tolerance * TARGET, (step, realized)
         if step:

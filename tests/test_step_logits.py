@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from controller_doubles import NoLogits, Proposal
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
@@ -189,33 +190,6 @@ def test_the_first_forecast_starts_where_the_last_step_settled(monkeypatch):
     assert older.settled_scale is None
 
 
-class _Proposal:
-    """An optimizer whose proposed step is all the controller needs (the KL is synthetic)."""
-
-    def __init__(self):
-        self.committed = []
-
-    def propose(self):
-        return True, 1.0, None
-
-    def preview(self, scale):
-        pass
-
-    def commit(self, scale):
-        self.committed.append(scale)
-
-    def discard(self):
-        pass
-
-    def extra_bytes(self):
-        return 0
-
-
-class _NoLogits:
-    def base(self, probe):
-        return []
-
-
 def test_a_warm_start_in_the_band_is_one_forecast():
     """KL(s D) = c s^1.5 with c drifting 4% a step (a regime that holds from step to step): the
     first step searches from s = 1 (three forecasts); every later step's warm start lands in the
@@ -223,7 +197,7 @@ def test_a_warm_start_in_the_band_is_one_forecast():
     makes its first rescale exact) or more; both commit steps within the tolerance."""
     def run(warm):
         controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET, realized_interval=0))
-        optimizer, forecasts, steps = _Proposal(), [], 6
+        optimizer, forecasts, steps = Proposal(), [], 6
         for step in range(steps):
             strength = 10 * TARGET * (1 + 0.04 * step)
             calls = []
@@ -235,7 +209,7 @@ def test_a_warm_start_in_the_band_is_one_forecast():
             controller.kl = synthetic_kl
             if not warm:
                 controller.settled_scale = None
-            metrics = controller.step(None, optimizer, None, step_logits=_NoLogits())
+            metrics = controller.step(None, optimizer, None, step_logits=NoLogits())
             realized = strength * metrics["step_scale"] ** 1.5
             assert realized <= controller.config.tolerance * TARGET
             if step:  # the exponent is measured (1.5): the forecast of the committed step is its KL

@@ -272,20 +272,16 @@ class ParallelConfig:
         divide a stage's layers."""
         per_stage = layers // self.pipeline_model_parallel_size
         if self.num_layers_per_virtual_pipeline_stage is not None:
-            chunk = self.num_layers_per_virtual_pipeline_stage
-            if per_stage % chunk:
-                raise UserError(f"--num-layers-per-virtual-pipeline-stage {chunk} must divide the {per_stage} "
-                                f"layers of a pipeline stage ({layers} layers over "
-                                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size})")
-            return per_stage // chunk
-        if self.num_virtual_stages_per_pipeline_rank is not None:
-            chunks = self.num_virtual_stages_per_pipeline_rank
-            if per_stage % chunks:
-                raise UserError(f"--num-virtual-stages-per-pipeline-rank {chunks} must divide the {per_stage} "
-                                f"layers of a pipeline stage ({layers} layers over "
-                                f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size})")
-            return chunks
-        return None
+            flag, value = "--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage
+        elif self.num_virtual_stages_per_pipeline_rank is not None:
+            flag, value = "--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank
+        else:
+            return None
+        if per_stage % value:
+            raise UserError(f"{flag} {value} must divide the {per_stage} layers of a pipeline stage ({layers} layers "
+                            f"over --pipeline-model-parallel-size {self.pipeline_model_parallel_size})")
+        # layers per chunk, or chunks per rank
+        return per_stage // value if self.num_layers_per_virtual_pipeline_stage is not None else value
 
 
 DEFAULT_PROMPTS_PER_STEP = 16

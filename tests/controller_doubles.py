@@ -1,0 +1,29 @@
+"""Stand-ins for what the KL controller talks to, where a test gives the KL itself: an optimizer
+whose proposed step is all the controller needs, and step logits with nothing cached."""
+
+
+class Proposal:
+    """An optimizer whose proposed step is all the controller needs (the KL is synthetic)."""
+
+    def __init__(self):
+        self.committed = []
+
+    def propose(self):
+        return True, 1.0, None
+
+    def preview(self, scale):
+        pass
+
+    def commit(self, scale):
+        self.committed.append(scale)
+
+    def discard(self):
+        pass
+
+    def extra_bytes(self):
+        return 0
+
+
+class NoLogits:
+    def base(self, probe):
+        return []
