@@ -110,22 +110,28 @@ def test_the_chunked_preview_is_the_one_piece_preview_bit_for_bit(monkeypatch, d
         assert torch.equal(result, reference), chunk
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_forecasts_with_the_chunked_preview_are_today_s_exactly(monkeypatch, dtype):
-    """On ``tiny``: the forecast at several scales with the preview chunked (a few rows a chunk)
-    equals the forecast with it in one piece (today's), bit for bit."""
+def _proposed_step(prompt: int, dtype=torch.float32):
+    """A LoGRA step on ``tiny`` proposed (not committed) under the probe-mode controller, its probe
+    of 4 rows with the first ``prompt`` positions uncounted, and the probe's cached ``s = 0`` logits."""
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2),
                                         LogRAConfig(rank=16, refresh_interval=5), dtype=dtype)
     controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
     mask = torch.ones(4, 32)
-    mask[:, :9] = 0
+    mask[:, :prompt] = 0
     probe = ProbeSet(TOKENS[:4, :-1], mask, micro_batch_size=2)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     lm_forward_backward(ddp, TOKENS, 4)
     optimizer.propose()
-    base = controller.base_logits(ddp, optimizer, probe)
+    return ddp, optimizer, controller, probe, controller.base_logits(ddp, optimizer, probe)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forecasts_with_the_chunked_preview_are_today_s_exactly(monkeypatch, dtype):
+    """On ``tiny``: the forecast at several scales with the preview chunked (a few rows a chunk)
+    equals the forecast with it in one piece (today's), bit for bit."""
+    ddp, optimizer, controller, probe, base = _proposed_step(prompt=9, dtype=dtype)
     forecasts = {}
     for chunk in (1 << 40, 64):  # one piece (today), then a few rows a chunk
         monkeypatch.setattr(sketch_module, "PREVIEW_CPU_CHUNK_ELEMENTS", chunk)
@@ -139,18 +145,7 @@ def test_the_cached_forecast_is_the_recomputed_one_bit_for_bit(prompt):
     """The forecast from the ``s = 0`` logits cached once a step (every position counted: the
     cached rows are the logits themselves, no zero-filled copy) equals the forecast that
     recomputes them, at every scale."""
-    parallel.initialize(1, 1, seed=1234)
-    _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2),
-                                        LogRAConfig(rank=16, refresh_interval=5))
-    controller = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
-    mask = torch.ones(4, 32)
-    mask[:, :prompt] = 0
-    probe = ProbeSet(TOKENS[:4, :-1], mask, micro_batch_size=2)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    lm_forward_backward(ddp, TOKENS, 4)
-    optimizer.propose()
-    base = controller.base_logits(ddp, optimizer, probe)
+    ddp, optimizer, controller, probe, base = _proposed_step(prompt=prompt)
     for scale in (1.0, 0.3):
         cached = controller.kl(ddp, optimizer, probe, scale, base)
         assert cached > 0
