@@ -213,11 +213,12 @@ class ControlledOptimizer(ChainedOptimizer):
         """Keep ``scale`` times the proposed step; drop the copies."""
         if not self._proposed:
             return
-        if self._before is not None and scale != 1.0:
-            self.preview(scale)
-        elif self._before is not None:
-            for main, after in zip(self._mains(), self._after):
-                main.copy_(after)
+        if self._before is not None:
+            for main, before, after in zip(self._mains(), self._before, self._after):
+                if scale != 1.0:
+                    torch.lerp(before, after, scale, out=main)
+                else:
+                    main.copy_(after)
             self._publish(defer_gather=True)  # the next forward gathers (--overlap-param-gather)
         if self.low_rank is not None:
             self.low_rank.commit(scale)
