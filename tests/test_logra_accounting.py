@@ -113,3 +113,16 @@ def test_benchmark_bad_input_is_one_line(args, message):
                           capture_output=True, text=True, timeout=120, env=ENV, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+
+
+def test_declared_master_rows_are_the_rows_the_masters_hold():
+    # logra/sketch_memory.py declares a ZeRO-1 master's rows for the planner; logra/masters.py
+    # lays the ranges out: the two must agree for every split, uneven ones included
+    from logra_megatron.logra.masters import row_ranges
+    from logra_megatron.logra.sketch_memory import LEFT, SketchedWeight
+
+    for rows in (1, 5, 48, 49):
+        for parts in (1, 2, 3, 8):
+            weight = SketchedWeight(LEFT, rows, 7, rank=2)
+            assert [weight.master_numel(parts, part) for part in range(parts)] == \
+                [(stop - start) * 7 for start, stop in row_ranges(rows, parts)]

@@ -13,17 +13,16 @@ Adam holds two fp32 moments; fp32 master weights exist only when parameters are 
 Counts are per rank (this rank's TP/PP shard).
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from logra_megatron.logra import update_memory
 from logra_megatron.logra.config import LogRAConfig
-from logra_megatron.logra.sketch import LEFT, RIGHT, LinearSketch
+from logra_megatron.logra.sketch_memory import FP32, LEFT, RIGHT, SketchedWeight
 
 SKETCHED_SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-FP32 = 4
 
 
 @dataclass
@@ -83,15 +82,13 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
     probes = logra_config.norm_probes if uses_probes else 0
     lines = 0
     for name, module, side in sketchable.values():
-        out_features, in_features = module.weight.shape
-        projected = in_features if side == RIGHT else out_features
-        rank = logra_config.sketch_rank(projected, name)
-        rows, cols = LinearSketch.sketch_shape(side, out_features, in_features, rank)
-        sketch_numel += rows * cols
-        projection_numel += projected * rank
-        probe_numel += probes * (out_features if side == RIGHT else in_features)
-        lines += out_features if side == RIGHT else in_features
-        sketched_numel += module.weight.numel()
+        unranked = SketchedWeight(side, *module.weight.shape, rank=0)
+        weight = replace(unranked, rank=logra_config.sketch_rank(unranked.projected_dim, name))
+        sketch_numel += weight.sketch_numel
+        projection_numel += weight.projection_numel
+        probe_numel += weight.probe_sample_numel(probes)
+        lines += weight.lines
+        sketched_numel += weight.master_numel()
     sketched_master = master if logra_config.master == "fp32" else 0
     dense = StateBytes(
         grad_bytes=all_numel * FP32, optimizer_state_bytes=2 * all_numel * FP32,

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-LEFT, RIGHT = "left", "right"
+from logra_megatron.logra.sketch_memory import LEFT, RIGHT, SketchedWeight  # noqa: F401 (the sides, named here too)
 
 PREVIEW_CPU_CHUNK_ELEMENTS = 1 << 15
 """Elements per chunk of a previewed output's fp32 round trip on the CPU (128 KiB in fp32: it
@@ -73,7 +73,7 @@ class LinearSketch:
 
     @staticmethod
     def sketch_shape(side: str, out_features: int, in_features: int, rank: int):
-        return (out_features, rank) if side == RIGHT else (rank, in_features)
+        return SketchedWeight(side, out_features, in_features, rank).sketch_shape
 
     @torch.no_grad()
     def accumulate(self, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
