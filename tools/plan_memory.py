@@ -23,6 +23,9 @@ measures a small run against the plan (logra_megatron/planning/validate.py). ``-
 ``--overlap-grad-reduce`` (``--ddp-bucket-size``) plans Megatron's buckets, the dense gradient
 buffer's and LoGRA's sketch buffer's, each padded under ``--use-distributed-optimizer``;
 ``--overlap-param-gather`` gathers into the same buffer and changes no byte.
+``--num-layers-per-virtual-pipeline-stage`` / ``--num-virtual-stages-per-pipeline-rank`` (checked
+as the trainer checks them) plan Megatron's interleaved pipeline: each stage is a pipeline rank
+with its chunks, the step replayed in the interleaved schedule's order.
 """
 
 import json

@@ -256,7 +256,6 @@ class _Step:
         begins or ends the model (the embedding on rank 0's chunk 0, the head on rank PP - 1's
         last chunk), ``layers`` are its layers (the rank's all without a virtual pipeline)."""
         chunks = self.settings.chunks
-        self.chunk = chunk
         self.first = self.holds_first and chunk == 0
         self.last = self.holds_last and chunk == chunks - 1
         self.layers = self.rank_layers // chunks
