@@ -222,6 +222,94 @@ def test_search_prefers_the_layout_with_the_most_headroom():
     assert all(row["tensor_parallel"] <= 8 for row in choices["logra"].candidates)
 
 
+# --- Megatron's interleaved pipeline (virtual pipeline) -------------------------------------------
+
+def _interleaved(chunks=2, **changes) -> PlanSettings:
+    return PlanSettings(model=get_preset("tiny").with_changes(layers=8), pipeline_parallel=2, virtual_pipeline=chunks,
+                        optimizer="adam", kl_control="off", micro_batch_size=2, global_batch_size=8,
+                        seq_length=64).with_changes(**changes)
+
+
+def test_chunks_place_layers_embedding_and_head_like_megatron():
+    settings = _interleaved()  # 8 layers, PP 2, 2 chunks per rank: virtual stages of 2 layers
+    layers = [sorted({int(p.name.split(".")[2]) for p in parameter_shapes(settings, rank) if ".layers." in p.name})
+              for rank in (0, 1)]
+    assert layers == [[0, 1, 4, 5], [2, 3, 6, 7]]  # rank r holds chunks r and r + PP
+    first, last = ([p.name for p in parameter_shapes(settings, rank)] for rank in (0, 1))
+    assert first[0] == "embedding.word_embeddings.weight" and "output_layer.weight" not in first
+    assert last[-1] == "output_layer.weight" and not any("embedding" in name for name in last)
+    # the same parameters per rank as without chunks, and so the same state without the
+    # distributed optimizer's padding
+    plain = settings.with_changes(virtual_pipeline=None)
+    for rank in (0, 1):
+        assert sum(p.numel for p in parameter_shapes(settings, rank)) == sum(p.numel for p in parameter_shapes(plain, rank))
+        assert stage_state(settings, rank) == stage_state(plain, rank)
+    # under it each chunk's DDP buffer is padded on its own (training/setup.py: one DDP per chunk;
+    # the QKV bias leaves a chunk's end off the 128-element multiple)
+    dist = _interleaved(model=get_preset("tiny").with_changes(qkv_bias=True), tensor_parallel=2,
+                        distributed_optimizer=True)
+    assert stage_state(dist, 0)["grad_bytes"] > stage_state(dist.with_changes(virtual_pipeline=None), 0)["grad_bytes"]
+
+
+def test_interleaved_order_is_megatrons_schedule_table():
+    from logra_megatron.planning.activations import interleaved_order, interleaved_warmup
+
+    # megatron-core 0.16.1 model_parallel_config.py's examples, PP 2 x VP 2: rank 0 runs
+    # "0 1 0 1 2 3 2 3" with groups of 2 (M = 4) and "0 1 2 0 1 2 3 4 3 4" with groups of 3 (M = 5)
+    for microbatches, shown in ((4, [0, 1, 0, 1, 2, 3, 2, 3]), (5, [0, 1, 2, 0, 1, 2, 3, 4, 3, 4])):
+        settings = _interleaved(micro_batch_size=1, global_batch_size=microbatches)
+        order = interleaved_order(settings, 0)
+        assert [mb for kind, mb, _ in order if kind == "F"] == shown
+        # the warm-up: 2 (PP - r - 1) + (V - 1) N forwards before the first backward, which
+        # runs the last chunk of the first microbatch
+        warmup = 2 * 1 + (2 - 1) * (2 if microbatches == 4 else 3)
+        assert interleaved_warmup(settings, 0) == warmup
+        assert [kind for kind, _, _ in order[:warmup + 2]] == ["F"] * (warmup + 1) + ["B"]
+        assert order[warmup + 1] == ("B", 0, 1)
+
+
+def test_interleaved_group_size_is_the_trainers():
+    from logra_megatron.planning.activations import interleaved_group_size
+    from logra_megatron.training.lm import microbatch_group_size
+
+    for pipeline in (2, 3, 4, 8):
+        for microbatches in range(pipeline, 5 * pipeline):
+            assert interleaved_group_size(microbatches, pipeline) == microbatch_group_size(microbatches, pipeline)
+
+
+def test_interleaved_warmup_keeps_more_chunk_passes_in_flight_than_1f1b():
+    from logra_megatron.planning.activations import activation_bytes
+
+    chunks, plain = _interleaved(), _interleaved(chunks=None)
+    # 1F1B: PP - r microbatches of the rank's 4 layers; interleaved: 2 (PP - r - 1) + (V - 1) PP
+    # + 1 chunk passes of 2 layers each (rank 0: 5 x 2 = 10 layer passes against 2 x 4 = 8)
+    assert [activation_bytes(plain, rank)["microbatches_in_flight"] for rank in (0, 1)] == [2, 1]
+    assert [activation_bytes(chunks, rank)["microbatches_in_flight"] for rank in (0, 1)] == [5, 3]
+    for rank in (0, 1):
+        ours, theirs = activation_bytes(chunks, rank), activation_bytes(plain, rank)
+        assert ours["saved_activations_bytes"] > theirs["saved_activations_bytes"], rank
+        assert ours["peak_step_bytes"] > theirs["peak_step_bytes"], rank
+    # one layer's saved tensors per chunk pass and layer: rank 0 holds 10 layer passes against 8
+    ratio = activation_bytes(chunks, 0)["saved_activations_bytes"] / activation_bytes(plain, 0)["saved_activations_bytes"]
+    assert 1.2 < ratio < 1.3
+
+
+def test_the_trainers_start_up_plan_under_the_interleaved_pipeline():
+    from logra_megatron.rl.config import ModelSourceConfig, ParallelConfig, TrainConfig
+    from logra_megatron.rl.memory_plan import plan_line, plan_settings, plan_summary
+
+    model = get_preset("tiny")
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    config = TrainConfig(model=ModelSourceConfig(preset="tiny"), model_config=model, parallel=parallel)
+    assert plan_settings(config, 2, 128, "logra").virtual_pipeline == 2
+    planned = plan_summary(config, 2, 128)
+    assert "unavailable" not in planned and planned["logra"] > 0 and planned["adam"] > 0
+    assert plan_line(planned).startswith("memory plan per GPU")
+    plain = plan_summary(TrainConfig(model=ModelSourceConfig(preset="tiny"), model_config=model,
+                                     parallel=ParallelConfig(pipeline_model_parallel_size=2)), 2, 128)
+    assert planned["logra"] != plain["logra"]
+
+
 # --- the command line ------------------------------------------------------------------------------
 
 def _cli(*args, check=True):
@@ -293,12 +381,33 @@ def test_cli_default_rank_fits_qwen_32b_on_one_141_gb_gpu_and_dense_adam_does_no
     (("--preset", "tiny", "--gpus", "6", "--tensor-model-parallel-size", "4"), "not divisible by TP"),
     (("--preset", "tiny", "--search"), "--search needs --gpus"),
     (("--model-config", "/nonexistent/model_config.json"), "cannot read --model-config"),
+    # the virtual pipeline flags, checked by the trainer's own ParallelConfig
+    (("--preset", "tiny", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-virtual-stages-per-pipeline-rank", "2"), "say the same thing two ways"),
+    (("--preset", "tiny", "--num-virtual-stages-per-pipeline-rank", "2"), "needs --pipeline-model-parallel-size > 1"),
+    (("--preset", "tiny", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"),
+     "must divide the 2 layers of a pipeline stage"),
 ])
 def test_cli_bad_input_is_one_error_line(args, message):
     proc = _cli(*args, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], proc.stderr
+
+
+def test_cli_plans_the_interleaved_pipeline():
+    # either flag, Megatron's meanings: 1 layer per chunk of tiny's 2 per stage = 2 chunks per rank
+    args = ("--preset", "tiny", "--pipeline-model-parallel-size", "2", "--optimizer", "logra", "--global-batch-size",
+            "8", "--json")
+    by_layers = json.loads(_cli(*args, "--num-layers-per-virtual-pipeline-stage", "1").stdout)["plans"]["logra"]
+    by_chunks = json.loads(_cli(*args, "--num-virtual-stages-per-pipeline-rank", "2").stdout)["plans"]["logra"]
+    assert by_layers == by_chunks and by_layers["layout"]["virtual_pipeline"] == 2
+    plain = json.loads(_cli(*args).stdout)["plans"]["logra"]
+    assert "virtual_pipeline" not in plain["layout"]
+    assert by_layers["stages"][0]["peak_step_bytes"] > plain["stages"][0]["peak_step_bytes"]
+    refused = _cli(*args, "--num-virtual-stages-per-pipeline-rank", "2", "--gpus", "2", "--gpu-memory-gib", "80",
+                   "--search", check=False)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--search does not vary" in refused.stderr
 
 
 def test_cli_plot_writes_a_png(tmp_path):

@@ -2,7 +2,7 @@
 state component within 5% and the step's peak of tracked allocations within 10%, per rank, at
 TP2 x PP2 and at DP2 with the distributed optimizer, dense Adam and LoGRA, fp32 and bf16 (one
 torchrun launch per layout: tests/workers/plan_validation_checks.py), and at TP2 x PP2 under
-``--sequence-parallel`` (packed). In-process: what the
+``--sequence-parallel`` (packed) and under Megatron's interleaved pipeline (two chunks per rank). In-process: what the
 activation model must show (recomputation, pipeline depth, the CPU tracker's view)."""
 
 import dataclasses
@@ -20,7 +20,10 @@ COMBOS = ("adam_fp32", "adam_bf16", "logra_fp32", "logra_bf16")
 LAYOUTS = {"tp2pp2": 4, "dp2dist": 2}
 SP_COMBOS = ("adam_fp32_sp", "logra_bf16_sp")
 """Measured under ``--sequence-parallel`` in the TP layouts (packed microbatches)."""
-CASES = [(layout, combo) for layout in LAYOUTS for combo in COMBOS] + [("tp2pp2", combo) for combo in SP_COMBOS]
+VPP_COMBOS = ("adam_fp32_vpp", "logra_bf16_vpp")
+"""Measured under Megatron's interleaved pipeline in the PP layouts (two chunks per rank)."""
+CASES = ([(layout, combo) for layout in LAYOUTS for combo in COMBOS] + [("tp2pp2", combo) for combo in SP_COMBOS]
+         + [("tp2pp2", combo) for combo in VPP_COMBOS])
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,7 @@ def test_plan_matches_measurement(measured, layout, combo):
         record = result(measured[layout], combo, rank)
         where = f"{layout} {combo} rank {rank}"
         assert record["sequence_parallel"] == combo.endswith("_sp"), where  # the model as built
+        assert record["model_chunks"] == (2 if combo.endswith("_vpp") else 1), where
         nonzero = [name for name, item in record["components"].items() if item["measured"] > 0]
         assert "weight_bytes" in nonzero and "moment_bytes" in nonzero, where
         for name, item in record["components"].items():
@@ -43,6 +47,17 @@ def test_plan_matches_measurement(measured, layout, combo):
         peak = record["peak_step"]
         assert peak["measured"] > 0 and peak["predicted"] > 0, where
         assert abs(peak["error"]) <= PEAK_BOUND, (where, peak, record["plan_breakdown"])
+
+
+@pytest.mark.parametrize("combo", VPP_COMBOS)
+def test_planned_state_per_rank_equals_the_live_tensors_under_the_interleaved_pipeline(measured, combo):
+    # PP2 with two chunks per rank: each rank's layers, its embedding or head, and each chunk's
+    # own DDP buffer (padded on its own under the distributed optimizer) give every persistent
+    # component to the byte
+    for rank in range(LAYOUTS["tp2pp2"]):
+        record = result(measured["tp2pp2"], combo, rank)
+        for name, item in record["components"].items():
+            assert item["predicted"] == item["measured"], (combo, rank, name, item)
 
 
 def _settings(**changes):

@@ -23,6 +23,9 @@ measures a small run against the plan (logra_megatron/planning/validate.py). ``-
 ``--overlap-grad-reduce`` (``--ddp-bucket-size``) plans Megatron's buckets, the dense gradient
 buffer's and LoGRA's sketch buffer's, each padded under ``--use-distributed-optimizer``;
 ``--overlap-param-gather`` gathers into the same buffer and changes no byte.
+``--num-layers-per-virtual-pipeline-stage`` / ``--num-virtual-stages-per-pipeline-rank`` (checked
+as the trainer checks them) plan Megatron's interleaved pipeline: each stage is a pipeline rank
+with its chunks, the step replayed in the interleaved schedule's order.
 """
 
 import json
@@ -35,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logra_megatron.cli import ArgumentParser  # noqa: E402
 from logra_megatron.errors import UserError, exit_on_user_error  # noqa: E402
 from logra_megatron.planning.activations import COMPONENTS as STEP_COMPONENTS  # noqa: E402
-from logra_megatron.planning.arguments import (GIB, add_arguments, data_parallel_size, optimizers_of,  # noqa: E402
-                                               settings_from_args)
+from logra_megatron.planning.arguments import (GIB, add_arguments, data_parallel_size, load_model,  # noqa: E402
+                                               optimizers_of, settings_from_args)
 from logra_megatron.planning.plan import fits, plan_memory, search_layouts  # noqa: E402
 from logra_megatron.planning.state import HOST_COMPONENTS, STATE_COMPONENTS, TRANSIENT_COMPONENTS  # noqa: E402
 from logra_megatron.rl.packing import default_token_budget  # noqa: E402
@@ -62,7 +65,26 @@ def parse_args(argv):
         raise UserError(f"--max-tokens-per-microbatch must be >= 0, got {args.max_tokens_per_microbatch}")
     if not args.max_tokens_per_microbatch:  # 0: the trainer's own default budget (the planner takes it resolved)
         args.max_tokens_per_microbatch = default_token_budget(args.micro_batch_size, args.seq_length)
+    args.virtual_pipeline = virtual_pipeline(args)
     return args
+
+
+def virtual_pipeline(args):
+    """Chunks per pipeline rank from the virtual pipeline flags, checked as the trainer checks
+    them (rl/config.py ``ParallelConfig``: not both, PP > 1, a chunk size dividing a stage's
+    layers); None without them. (ParallelConfig loads megatron-core: only when a flag is given.)"""
+    flags = (args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
+    if flags == (None, None):
+        return None
+    if args.search:
+        raise UserError("--search does not vary the virtual pipeline: plan a layout (drop --search, or the "
+                        "virtual pipeline flag)")
+    from logra_megatron.rl.config import ParallelConfig
+
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              num_layers_per_virtual_pipeline_stage=flags[0], num_virtual_stages_per_pipeline_rank=flags[1])
+    return parallel.virtual_pipeline(load_model(args).layers)
 
 
 def gib(value: int) -> float:
@@ -146,8 +168,9 @@ def _stage_groups(plan):
 
 def print_plan(optimizer: str, plan, entry: dict, report: dict) -> None:
     layout = entry["layout"]
+    chunks = f", {layout['virtual_pipeline']} chunks per rank" if "virtual_pipeline" in layout else ""
     print(f"== {LABELS[optimizer]}: TP {layout['tensor_parallel']} x PP {layout['pipeline_parallel']} x "
-          f"DP {layout['data_parallel']} ({layout['gpus']} GPUs; distributed optimizer "
+          f"DP {layout['data_parallel']} ({layout['gpus']} GPUs{chunks}; distributed optimizer "
           f"{'on' if entry.get('distributed_optimizer') else 'off'}, kl-control {entry.get('kl_control', 'off')}) ==")
     groups = _stage_groups(plan)
     print(f"{'GiB per GPU':<42}" + "".join(f"{label:>14}" for label, _ in groups))

@@ -59,6 +59,14 @@ vocabulary on this TP rank, ``d`` the head dimension):
 - **The schedule**: PP = 1 runs microbatches one at a time; 1F1B holds up to ``pp - stage``
   microbatches' saved tensors on stage ``stage``, plus each one's received input (and, on the
   CPU, where Megatron does not deallocate pipeline outputs, its sent output) until its backward.
+  Under a virtual pipeline (``virtual_pipeline`` = V chunks per rank) the rank's passes are
+  (microbatch, chunk) pairs in the order of Megatron's interleaved schedule
+  (:func:`interleaved_order`): ``2 (pp - stage - 1) + (V - 1) N`` forwards of warm-up
+  (:func:`interleaved_warmup`, ``N`` the trainer's microbatch group size, at least PP
+  microbatches as the trainer fills a pass), each holding one chunk's saved tensors (its
+  ``layers / (pp V)`` layers), its received input and sent output likewise; the embedding is
+  chunk 0's of rank 0, the head the last chunk's of rank ``pp - 1``. Inputs the schedule receives
+  one step ahead are counted from their forward (one message each, a hidden-state slice).
 - **The backward**, op by op: the gradients each op allocates while the layer's saved tensors
   are freed as their last user runs (the peak is usually the output layer's backward, or an
   unfused layer's attention backward: gradients of the ``b n s s`` scores twice; SDPA's
@@ -216,9 +224,13 @@ class _Step:
         self.settings = settings
         self.platform = platform
         self.stage = stage
-        self.first = stage == 0
-        self.last = stage == settings.pipeline_parallel - 1
-        self.layers = settings.model.layers // settings.pipeline_parallel
+        # The rank holds the model's first chunk (the embedding) and its last (the head):
+        # rank 0 and rank PP - 1, whatever the chunks.
+        self.holds_first = stage == 0
+        self.holds_last = stage == settings.pipeline_parallel - 1
+        self.rank_layers = settings.model.layers // settings.pipeline_parallel
+        self.chunk_keys = settings.virtual_pipeline is not None
+        self._enter(0)
         e = settings.weight_bytes_per_element
         # Packed (the trainer's default): one [1, t] sequence of the token budget per microbatch,
         # whatever micro_batch_size x seq_length is; padded: b rows of s.
@@ -238,6 +250,19 @@ class _Step:
         self.timeline = Timeline()
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _enter(self, chunk: int) -> None:
+        """Run model chunk ``chunk`` of this rank from now on: ``first``/``last`` say whether it
+        begins or ends the model (the embedding on rank 0's chunk 0, the head on rank PP - 1's
+        last chunk), ``layers`` are its layers (the rank's all without a virtual pipeline)."""
+        chunks = self.settings.chunks
+        self.first = self.holds_first and chunk == 0
+        self.last = self.holds_last and chunk == chunks - 1
+        self.layers = self.rank_layers // chunks
+
+    def _key(self, mb, chunk: int):
+        """A microbatch's key in the timeline: under a virtual pipeline one per (microbatch, chunk)."""
+        return (mb, chunk) if self.chunk_keys else mb
 
     def _product(self, tokens_in: int, weight_numel: int, tokens_out: int) -> None:
         """A bf16 product on the CPU: widened inputs and the fp32 product exist for one op."""
@@ -816,7 +841,11 @@ class _Step:
 
     # --- one microbatch, and the schedule ---------------------------------------------------------
 
-    def forward_microbatch(self, mb) -> None:
+    def forward_microbatch(self, mb, chunk: int = 0) -> None:
+        """Microbatch ``mb`` through model chunk ``chunk`` of this rank (its only one without a
+        virtual pipeline); its saved tensors stay until :meth:`backward_microbatch`."""
+        self._enter(chunk)
+        mb = self._key(mb, chunk)
         tl, d = self.timeline, self.dims
         T = d.tokens
         if self.first:
@@ -843,7 +872,9 @@ class _Step:
                 out = sent
             self._pending[mb] = (groups, out, x)
 
-    def backward_microbatch(self, mb) -> None:
+    def backward_microbatch(self, mb, chunk: int = 0) -> None:
+        self._enter(chunk)
+        mb = self._key(mb, chunk)
         tl, d = self.timeline, self.dims
         groups, out, x = self._pending.pop(mb)
         if self.last:
@@ -868,10 +899,14 @@ class _Step:
         self._pending = {}
         per_replica = settings.global_batch_size // settings.data_parallel
         microbatches = settings.num_microbatches
-        # 1F1B's steady state repeats itself: past the warm-up and one steady step nothing new
-        # can peak, so longer runs of microbatches are not replayed (a 64-microbatch plan of a
-        # 32B model would otherwise take seconds per stage).
-        microbatches = min(microbatches, settings.pipeline_parallel - self.stage + 1)
+        if settings.virtual_pipeline is None:
+            # 1F1B's steady state repeats itself: past the warm-up and one steady step nothing new
+            # can peak, so longer runs of microbatches are not replayed (a 64-microbatch plan of a
+            # 32B model would otherwise take seconds per stage).
+            microbatches = min(microbatches, settings.pipeline_parallel - self.stage + 1)
+        else:
+            order = interleaved_order(settings, self.stage)
+            microbatches = min(microbatches, 1 + max(mb for _, mb, _ in order))
         tl.phase = "forward_backward"
         # lm_forward_backward: inputs and labels (int64) of the replica's batch, its loss mask,
         # the causal mask.
@@ -885,6 +920,10 @@ class _Step:
             for mb in range(microbatches):
                 self.forward_microbatch(mb)
                 self.backward_microbatch(mb)
+        elif settings.virtual_pipeline is not None:
+            for kind, mb, chunk in order:
+                (self.forward_microbatch if kind == "F" else self.backward_microbatch)(mb, chunk)
+            self._enter(0)
         else:
             warmup = min(settings.pipeline_parallel - self.stage - 1, microbatches)
             for mb in range(warmup):
@@ -897,7 +936,7 @@ class _Step:
         if self.sp:
             # finalize_model_grads sums the sequence-parallel norms' weight gradients over TP
             # (distributed/finalize_model_grads.py: one flattened fp32 copy of their main_grads).
-            norms = 2 * self.layers + (1 if self.last else 0)
+            norms = 2 * self.rank_layers + (1 if self.holds_last else 0)
             tl.moment(norms * d.h * FP32, "backward_temporaries_bytes")
         tl.free("batch")
 
@@ -992,26 +1031,38 @@ class _Step:
         else:
             self.dims = Dims(**{**saved_dims.__dict__, "b": rows, "s": whole(length), "segment": 0})
         saved_packed, self.packed = self.packed, self.settings.packed
+        # Several chunks: the interleaved schedule runs at least PP microbatches, the probe part
+        # and fillers (training/lm.py pipeline_pass), chunk after chunk (one group of PP); a
+        # filler's logits are dropped by its loss.
+        passes = self.settings.pipeline_parallel if self.settings.chunks > 1 else 1
         try:
             d = self.dims
             key = ("probe", self._probe_count)
             self._probe_count += 1
-            if self.first:
-                x = self._embedding_forward(key, grad=False)
-            else:
-                x = ("layer", key, -1, "input")
-                tl.alloc(x, d.sharded * d.h * d.e, "probe_bytes")
-            for layer in range(self.layers):
-                x = self._layer_forward(key, layer, x, saved=False, attention_saved=False)
-                self._preview_side_paths()
-            if self.last:
-                logits = self._head_forward(key, x, grad=False)
-                tl.free(x)
-                self._retag(logits, "probe_bytes")
-                self._probe_logits.append(logits)
-            else:
-                tl.free(x)
+            for chunk in range(self.settings.chunks):
+                self._enter(chunk)
+                for index in range(passes):
+                    part = key if index == 0 else key + ("filler", index)
+                    if self.first:
+                        x = self._embedding_forward(part, grad=False)
+                    else:
+                        x = ("layer", self._key(part, chunk), -1, "input")
+                        tl.alloc(x, d.sharded * d.h * d.e, "probe_bytes")
+                    for layer in range(self.layers):
+                        x = self._layer_forward(self._key(part, chunk), layer, x, saved=False, attention_saved=False)
+                        self._preview_side_paths()
+                    if self.last:
+                        logits = self._head_forward(part, x, grad=False)
+                        tl.free(x)
+                        if index:
+                            tl.free(logits)
+                        else:
+                            self._retag(logits, "probe_bytes")
+                            self._probe_logits.append(logits)
+                    else:
+                        tl.free(x)
         finally:
+            self._enter(0)
             self.dims = saved_dims
             self.packed = saved_packed
 
@@ -1029,7 +1080,7 @@ class _Step:
         ``masked_half_variance_sum``), token chunk by token chunk of ``KL_CHUNK_ELEMENTS``
         logits: three chunk-sized temporaries, fp32 (``probe``: both log-softmaxes, then the
         product) or fp64 (``linear``: the weights, the difference, a product)."""
-        if not self.last:
+        if not self.holds_last:
             return
         d = self.dims
         rows, _ = probe_layout(self.settings)
@@ -1044,15 +1095,15 @@ class _Step:
         written from the cache) for the KL, freeing both before the next part."""
         tl, d = self.timeline, self.dims
         rows, _ = probe_layout(self.settings)
-        size = rows * probe_row_tokens(self.settings) * d.vocab * d.e if self.last else 0
+        size = rows * probe_row_tokens(self.settings) * d.vocab * d.e if self.holds_last else 0
         for index in range(parts):
             self._probe_pass()
-            if self.last:
+            if self.holds_last:
                 tl.alloc(("probe_cache", index), size, "probe_bytes")
                 tl.free(self._probe_logits.pop())
         for _ in range(parts):
             self._probe_pass()
-            if self.last:
+            if self.holds_last:
                 tl.alloc("probe_restored", size, "probe_bytes")
             self._probe_kl()
             tl.free("probe_restored", *self._probe_logits)
@@ -1135,8 +1186,72 @@ def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda")
     result["peak_step_bytes"] = timeline.peak
     for phase in ("forward_backward", "optimizer", "controller"):
         result[f"{phase}_peak_bytes"] = timeline.phase_peaks.get(phase, 0)
-    result["microbatches_in_flight"] = min(settings.pipeline_parallel - stage, settings.num_microbatches)
+    if settings.virtual_pipeline is None:
+        result["microbatches_in_flight"] = min(settings.pipeline_parallel - stage, settings.num_microbatches)
+    else:  # (microbatch, chunk) pairs: the warm-up's forwards and the steady state's next one
+        result["microbatches_in_flight"] = min(interleaved_warmup(settings, stage) + 1,
+                                               settings.pipeline_microbatches * settings.chunks)
     return result
+
+
+def interleaved_group_size(microbatches: int, pipeline: int) -> int:
+    """Megatron's ``microbatch_group_size_per_vp_stage`` as the trainer sets it under several
+    chunks (training/lm.py ``microbatch_group_size``, restated here to keep the planner free of
+    torch; tests/test_memory_plan.py holds the two equal): the smallest ``N`` in ``[PP, M]``
+    whose remainder ``M % N`` is 0 or at least PP."""
+    for size in range(pipeline, microbatches + 1):
+        remainder = microbatches % size
+        if remainder == 0 or remainder >= pipeline:
+            return size
+    return pipeline
+
+
+def _group_size(settings: PlanSettings) -> int:
+    """The group size the schedule runs with: the trainer's under several chunks; one chunk
+    keeps Megatron's default, PP (``model_parallel_config.py``)."""
+    if settings.chunks > 1:
+        return interleaved_group_size(settings.pipeline_microbatches, settings.pipeline_parallel)
+    return settings.pipeline_parallel
+
+
+def interleaved_warmup(settings: PlanSettings, stage: int, microbatches: int = None) -> int:
+    """Forward (microbatch, chunk) passes before the first backward on pipeline rank ``stage`` in
+    megatron-core 0.16.1's interleaved schedule (pipeline_parallel/schedules.py
+    ``get_pp_rank_microbatches``): ``2 (PP - stage - 1) + (V - 1) N``, at most ``M x V``."""
+    pp, chunks = settings.pipeline_parallel, settings.chunks
+    microbatches = settings.pipeline_microbatches if microbatches is None else microbatches
+    warmup = 2 * (pp - stage - 1) + (chunks - 1) * _group_size(settings)
+    return min(warmup, microbatches * chunks)
+
+
+def interleaved_order(settings: PlanSettings, stage: int) -> list:
+    """``[("F" or "B", microbatch, chunk), ...]``: rank ``stage``'s passes in the order
+    megatron-core 0.16.1's ``forward_backward_pipelining_with_interleaving`` runs them (no p2p
+    overlap, as the trainer runs it): its schedule table (``get_schedule_table``: groups of ``N``
+    microbatches through chunk 0, then chunk 1, ...), the warm-up's forwards, then one forward
+    and one backward per step (the backward's chunk reversed: ``V - 1 - chunk``), then the
+    cool-down's backwards. The steady state is periodic (``N x V`` steps) once the groups are
+    whole, so a long step is replayed over fewer whole groups: enough for the warm-up and two
+    periods (the planner's figures do not change; a 64-microbatch plan of a 32B model stays fast)."""
+    pp, chunks = settings.pipeline_parallel, settings.chunks
+    total_microbatches = settings.pipeline_microbatches
+    group = _group_size(settings)
+    warmup = interleaved_warmup(settings, stage)
+    microbatches = total_microbatches
+    if total_microbatches % group == 0:
+        microbatches = min(total_microbatches, group * (ceil_div(warmup, group * chunks) + 2))
+    table = []
+    for start in range(0, microbatches, group):
+        stop = microbatches if start + group >= microbatches else start + group
+        table.extend((mb, chunk) for chunk in range(chunks) for mb in range(start, stop))
+    total = len(table)
+    warmup = min(warmup, total)
+    order = [("F",) + table[k] for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(("F",) + table[warmup + k])
+        order.append(("B", table[k][0], chunks - 1 - table[k][1]))
+    order.extend(("B", table[k][0], chunks - 1 - table[k][1]) for k in range(total - warmup, total))
+    return order
 
 
 def kl_reduction_bytes(tokens: int, local_vocab: int, mode: str, chunk_elements: int = KL_CHUNK_ELEMENTS) -> int:
@@ -1198,7 +1313,7 @@ def _check_recompute(settings: PlanSettings) -> None:
 
     granularity = None if settings.recompute_granularity == "none" else settings.recompute_granularity
     config = RecomputeConfig(granularity, settings.recompute_method, settings.recompute_num_layers)
-    config.check_layers(settings.model.layers // settings.pipeline_parallel)
+    config.check_layers(settings.model.layers // settings.pipeline_parallel // settings.chunks)
 
 
 def global_buffer_bytes(settings: PlanSettings, stage: int = 0) -> int:

@@ -47,6 +47,12 @@ def add_arguments(parser) -> None:
     layout.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     layout.add_argument("--data-parallel-size", type=int, default=None,
                         help="default: --gpus / (TP x PP), or 1 without --gpus")
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="Megatron's interleaved pipeline (PP > 1): each pipeline rank holds several model "
+                             "chunks of this many layers, run by Megatron's interleaved schedule")
+    layout.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                        help="Megatron's newer name for the same: this many model chunks per pipeline rank "
+                             "(give one of the two)")
     layout.add_argument("--sequence-parallel", action="store_true",
                         help="Megatron's sequence parallelism (TP > 1): norms, residual stream and pipeline "
                              "messages split along the sequence over the TP ranks; with --search, applied to "
@@ -190,7 +196,9 @@ def rollout_for(args, data_parallel: int) -> RolloutPlan:
 
 def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
     """The :class:`PlanSettings` of the flags, for the row ``optimizer`` (settings.py ``ROWS``;
-    default: the one ``--optimizer`` names, or logra for ``both`` and ``all``)."""
+    default: the one ``--optimizer`` names, or logra for ``both`` and ``all``). The virtual
+    pipeline flags come resolved as ``args.virtual_pipeline`` (chunks per rank): tools/plan_memory.py
+    resolves them through the trainer's own ``ParallelConfig``, which sits above the planner."""
     model = load_model(args)
     dp = data_parallel_size(args)
     if optimizer is None:
@@ -208,6 +216,7 @@ def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:
     base = PlanSettings(
         model=model, tensor_parallel=args.tensor_model_parallel_size,
         pipeline_parallel=args.pipeline_model_parallel_size, data_parallel=dp, optimizer="logra",
+        virtual_pipeline=getattr(args, "virtual_pipeline", None),
         distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, logra=logra,
         kl_control=args.kl_control, kl_probe_sequences=args.kl_probe_sequences,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -102,12 +102,16 @@ class MemoryPlan:
 
 
 def layout_dict(settings: PlanSettings) -> dict:
-    return {"tensor_parallel": settings.tensor_parallel, "pipeline_parallel": settings.pipeline_parallel,
-            "data_parallel": settings.data_parallel, "gpus": settings.world_size}
+    layout = {"tensor_parallel": settings.tensor_parallel, "pipeline_parallel": settings.pipeline_parallel,
+              "data_parallel": settings.data_parallel, "gpus": settings.world_size}
+    if settings.virtual_pipeline is not None:  # chunks per pipeline rank (each stage below is a rank)
+        layout["virtual_pipeline"] = settings.virtual_pipeline
+    return layout
 
 
 def plan_memory(settings: PlanSettings) -> MemoryPlan:
-    """Every pipeline stage's bytes (its busiest DP rank) for ``settings``."""
+    """Every pipeline stage's bytes (its busiest DP rank) for ``settings``; under a virtual
+    pipeline a stage is a pipeline rank with all its model chunks."""
     check_settings(settings)
     stages = []
     for stage in range(settings.pipeline_parallel):

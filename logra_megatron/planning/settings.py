@@ -51,6 +51,11 @@ class PlanSettings:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    virtual_pipeline: Optional[int] = None
+    """Megatron's interleaved pipeline: model chunks per pipeline rank (its
+    ``virtual_pipeline_model_parallel_size``, as the trainer's ``ParallelConfig.virtual_pipeline``
+    resolves either flag); None: the plain 1F1B schedule. Pipeline rank ``r`` holds chunks
+    ``r, r + PP, ..., r + (V - 1) PP`` of ``PP x V`` equal chunks; a "stage" of the plan is a rank."""
     optimizer: str = "logra"
     """``logra`` or one of :data:`DENSE_OPTIMIZERS` (``adam``: Megatron's dense Adam)."""
     distributed_optimizer: bool = False
@@ -148,6 +153,20 @@ class PlanSettings:
             per_replica = max(1, self.global_batch_size // self.data_parallel)
             return max(1, ceil_div(per_replica * self.seq_length, self.tokens_per_microbatch))
         return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel))
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (1 without a virtual pipeline)."""
+        return self.virtual_pipeline or 1
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches the schedule runs per step: under the interleaved schedule with several
+        chunks at least PP (training/lm.py ``pipeline_pass`` fills a shorter pass with filler
+        microbatches of zero loss), else :attr:`num_microbatches`."""
+        if self.chunks > 1:
+            return max(self.num_microbatches, self.pipeline_parallel)
+        return self.num_microbatches
 
     @property
     def weight_bytes_per_element(self) -> int:

@@ -8,6 +8,10 @@ each component mirrors what the code allocates for them:
   embedding, the last the final norm and the output layer; with tied embeddings at PP = 1 the
   output layer has no weight of its own, at PP > 1 the last stage keeps a full copy of the
   embedding (Megatron's ``shared_embedding`` parameter: its own gradient, master and moments).
+  Under a virtual pipeline (V chunks per rank) rank ``r`` holds chunks ``r, r + PP, ...,
+  r + (V - 1) PP`` of ``PP x V`` equal chunks, the embedding in rank 0's chunk 0, the final norm
+  and output layer in rank PP - 1's last chunk; each chunk has its own DDP and so its own dense
+  buffer (padded on its own, bucketed only for chunk 0), LoGRA one sketch buffer over them all.
 - **TP shards.** Column-parallel weights (linear_qkv, linear_fc1 with its two SwiGLU halves, the
   output layer) split their output rows, row-parallel ones (linear_proj, linear_fc2) their input
   columns, the vocabulary (padded by :meth:`ModelConfig.padded_vocab`) is split in blocks, norms
@@ -132,6 +136,7 @@ def check_settings(settings: PlanSettings) -> None:
         raise UserError(f"--optimizer-offload-fraction must be in [0, 1], got {settings.optimizer_offload_fraction}")
     ParallelLayout(settings.tensor_parallel, settings.pipeline_parallel, settings.world_size).check_model(
         model.layers, model.heads, model.kv_heads, model.ffn_hidden, model.vocab)
+    check_virtual_pipeline(settings)
     if settings.data_parallel < 1:
         raise UserError(f"data-parallel size must be >= 1, got {settings.data_parallel}")
     if settings.kl_control not in KL_MODES:
@@ -172,17 +177,52 @@ def check_settings(settings: PlanSettings) -> None:
         raise UserError("rollout sequences, tokens and dtype bytes must be >= 0")
 
 
-def stage_layers(settings: PlanSettings, stage: int) -> range:
-    """Global indices of the transformer layers on pipeline stage ``stage`` (an even split)."""
+def chunk_layers(settings: PlanSettings, stage: int, chunk: int) -> range:
+    """Global indices of the transformer layers of model chunk ``chunk`` on pipeline rank
+    ``stage``: virtual stage ``chunk x PP + stage`` of ``PP x V`` equal chunks (Megatron's
+    interleaved placement; one chunk, the stage's even share, without a virtual pipeline)."""
+    per_chunk = settings.model.layers // (settings.pipeline_parallel * settings.chunks)
+    virtual = chunk * settings.pipeline_parallel + stage
+    return range(virtual * per_chunk, (virtual + 1) * per_chunk)
+
+
+def check_virtual_pipeline(settings: PlanSettings) -> None:
+    """The resolved chunk count (the flags themselves are checked by the trainer's
+    ``ParallelConfig``, which tools/plan_memory.py reuses): chunks of whole layers, PP > 1."""
+    chunks = settings.virtual_pipeline
+    if chunks is None:
+        return
     per_stage = settings.model.layers // settings.pipeline_parallel
-    return range(stage * per_stage, (stage + 1) * per_stage)
+    if chunks < 1 or settings.pipeline_parallel < 2 or per_stage % chunks:
+        raise UserError(f"a virtual pipeline of {chunks} chunks per rank needs PP > 1 and chunks of whole layers "
+                        f"({per_stage} per stage at PP {settings.pipeline_parallel})")
+
+
+def stage_layers(settings: PlanSettings, stage: int) -> list:
+    """Global indices of the transformer layers on pipeline rank ``stage``, chunk by chunk."""
+    return [index for chunk in range(settings.chunks) for index in chunk_layers(settings, stage, chunk)]
 
 
 def parameter_shapes(settings: PlanSettings, stage: int) -> List[Parameter]:
-    """This stage's parameters, in the order Megatron's GPTModel registers them."""
-    model, tp, pp = settings.model, settings.tensor_parallel, settings.pipeline_parallel
+    """This rank's parameters, in the order Megatron's GPTModel registers them, chunk by chunk."""
+    return [param for chunk in chunk_parameters(settings, stage) for param in chunk]
+
+
+def chunk_parameters(settings: PlanSettings, stage: int) -> List[List[Parameter]]:
+    """This rank's parameters per model chunk (one chunk without a virtual pipeline): the word
+    embedding in the model's first chunk (rank 0, chunk 0), the final norm and the output layer
+    in its last (rank PP - 1, chunk V - 1)."""
+    pp = settings.pipeline_parallel
     if not 0 <= stage < pp:
         raise UserError(f"stage {stage} is outside 0..{pp - 1}")
+    chunks = settings.chunks
+    return [_chunk_parameters(settings, chunk_layers(settings, stage, chunk),
+                              first=stage == 0 and chunk == 0, last=stage == pp - 1 and chunk == chunks - 1)
+            for chunk in range(chunks)]
+
+
+def _chunk_parameters(settings: PlanSettings, layers: range, first: bool, last: bool) -> List[Parameter]:
+    model, tp, pp = settings.model, settings.tensor_parallel, settings.pipeline_parallel
     logra = settings.optimizer == "logra"
     embeddings_sketched = logra and settings.logra.embeddings
     linear_right, linear_left = (RIGHT, LEFT) if logra else (None, None)
@@ -191,12 +231,11 @@ def parameter_shapes(settings: PlanSettings, stage: int) -> List[Parameter]:
     query = model.heads * model.kv_channels
     qkv_rows = (query + 2 * model.kv_heads * model.kv_channels) // tp
     vocab_rows = model.padded_vocab(tp) // tp
-    first, last = stage == 0, stage == pp - 1
     params = []
     if first:
         params.append(Parameter("embedding.word_embeddings.weight", (vocab_rows, hidden), vocab_side,
                                 shared_embedding=tied and pp > 1))
-    for index in stage_layers(settings, stage):
+    for index in layers:
         prefix = f"decoder.layers.{index}."
         params.append(Parameter(prefix + "input_layernorm.weight", (hidden,)))
         params.append(Parameter(prefix + "self_attention.linear_proj.weight", (hidden, query // tp), linear_left))
@@ -275,6 +314,16 @@ def stage_bucket_size(settings: PlanSettings, stage: int) -> Optional[int]:
     return settings.bucket_size if stage == 0 else None
 
 
+def stage_dense_buffers(settings: PlanSettings, stage: int) -> List[DenseBuffer]:
+    """The dense buffers of pipeline rank ``stage``: one per model chunk, as each chunk has its
+    own DDP (training/setup.py ``build_trainable``, as Megatron-LM's ``get_model``), of which only
+    the first is bucketed (``disable_bucketing`` for the others) and, as any, only on rank 0."""
+    dp, distributed = settings.data_parallel, settings.distributed_optimizer
+    return [dense_buffer([p for p in chunk if p.sketch_side is None], dp, distributed,
+                         stage_bucket_size(settings, stage) if index == 0 else None)
+            for index, chunk in enumerate(chunk_parameters(settings, stage))]
+
+
 def sketch_buffer_numel(numels: List[int], shared_embedding: List[bool], dp: int,
                         bucket_size: Optional[int]) -> int:
     """Elements of LoGRA's flat sketch buffer as the buffer lays itself out (``logra/buckets.py``):
@@ -339,11 +388,11 @@ def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] 
     parameters, or the fp32 parameters themselves; this DP rank's shard under the distributed
     optimizer); ``dp_rank`` None: the largest over DP ranks."""
     dense = [p for p in parameter_shapes(settings, stage) if p.sketch_side is None]
-    buffer = dense_buffer(dense, settings.data_parallel, settings.distributed_optimizer, stage_bucket_size(settings, stage))
     if not settings.distributed_optimizer:
         return sum(p.numel for p in dense)
+    buffers = stage_dense_buffers(settings, stage)
     ranks = range(settings.data_parallel) if dp_rank is None else [dp_rank]
-    return max(sum(n for _, n in buffer.shard(settings.data_parallel, r)) for r in ranks)
+    return max(sum(n for buffer in buffers for _, n in buffer.shard(settings.data_parallel, r)) for r in ranks)
 
 
 def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host: bool = False):
@@ -358,19 +407,20 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
     params = parameter_shapes(settings, stage)
     dense = [p for p in params if p.sketch_side is None]
     sketched = [p for p in params if p.sketch_side is not None]
-    buffer = dense_buffer(dense, dp, distributed, stage_bucket_size(settings, stage))
+    buffers = stage_dense_buffers(settings, stage)
+    buffer_numel = sum(buffer.numel for buffer in buffers)
 
-    # Dense parameters: Megatron DDP + Megatron's optimizer.
+    # Dense parameters: Megatron DDP (one per model chunk) + Megatron's optimizer.
     if distributed:
-        mains = buffer.shard(dp, dp_rank)
-        dense_weights = buffer.numel * weight_element  # moved into DDP's padded parameter buffer
+        mains = [owned for buffer in buffers for owned in buffer.shard(dp, dp_rank)]
+        dense_weights = buffer_numel * weight_element  # moved into DDP's padded parameter buffers
     else:
         mains = [(p, p.numel) for p in dense]
         dense_weights = sum(p.numel for p in dense) * weight_element
     main_numel = sum(n for _, n in mains)
     state = dict.fromkeys(STATE_COMPONENTS, 0)
     state["weight_bytes"] = dense_weights + sum(p.numel for p in sketched) * weight_element
-    gpu, host = dense_optimizer_bytes(settings, buffer.numel if dense else 0, mains)
+    gpu, host = dense_optimizer_bytes(settings, buffer_numel if dense else 0, mains)
     state.update(gpu)
     if settings.kl_control != "off":
         state["controller_extra_bytes"] = 2 * main_numel * FP32

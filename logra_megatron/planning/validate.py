@@ -73,11 +73,13 @@ def _relaunch(nproc: int) -> None:
 
 def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, tracked_steps: int = TRACKED_STEPS) -> Dict:
     """Build ``settings``' model and optimizer at the current process groups (initialized for
-    its TP x PP), run ``steps`` steps and ``tracked_steps`` tracked ones; this rank's predicted
-    and measured figures. Collective: every rank calls it with the same settings."""
+    its TP x PP, and its virtual pipeline: ``parallel.initialize(..., virtual_pipeline=V)``), run
+    ``steps`` steps and ``tracked_steps`` tracked ones; this rank's predicted and measured
+    figures. Collective: every rank calls it with the same settings."""
     import gc
 
     import torch
+    from megatron.core import parallel_state
 
     from logra_megatron import parallel
     from logra_megatron.models.build import model_device
@@ -86,7 +88,7 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     from logra_megatron.platform.memory import AllocationTracker
     from logra_megatron.training.config import KLControlConfig, OptimizerSettings, RecomputeConfig
     from logra_megatron.training.kl_control import PredictedKLController, ProbeSet
-    from logra_megatron.training.lm import lm_forward_backward
+    from logra_megatron.training.lm import lm_forward_backward, model_chunks
     from logra_megatron.training.measure import measure_components
     from logra_megatron.training.setup import build_trainable
 
@@ -98,13 +100,21 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
         settings.logra, dtype=dtype, seed=seed, recompute=recompute, attention_backend=settings.attention_backend,
         sequence_parallel=settings.sequence_parallel, overlap_grad_reduce=settings.overlap_grad_reduce,
         ddp_bucket_size=settings.ddp_bucket_size)
+    built = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if built != settings.virtual_pipeline:
+        raise ValueError(f"the process groups hold {built} chunks per rank, the settings {settings.virtual_pipeline}")
+    # Under a virtual pipeline the model and its DDP are lists of chunks: the bare chunks are
+    # measured as one module, the DDP chunks run through the interleaved schedule.
+    chunks = model_chunks(model)
+    model = chunks[0] if len(chunks) == 1 and not isinstance(ddp, list) else torch.nn.ModuleList(chunks)
     # Token ids drawn on the CPU on purpose (the same batch on every device kind); this rank's
     # rows move to the model's device once.
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, settings.model.vocab, (settings.global_batch_size, settings.seq_length + 1),
                            generator=generator)
     per_replica = settings.global_batch_size // parallel.dp_size()
-    mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica].to(model_device(model))
+    device = model_device(chunks[0])
+    mine = tokens[parallel.dp_rank() * per_replica:(parallel.dp_rank() + 1) * per_replica].to(device)
     rows_per_pass, _ = activations.probe_layout(settings)
     rows = mine[:min(settings.kl_probe_sequences, per_replica)]
     if settings.packed:  # the trainer's packed probe: parts of whole rows up to the token budget
@@ -118,10 +128,11 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
         rows_per_microbatch = settings.tokens_per_microbatch // settings.seq_length
         sources = torch.randint(0, settings.model.vocab, (settings.num_microbatches * rows_per_microbatch,
                                                           settings.seq_length + 1),
-                                generator=generator).to(model_device(model))
+                                generator=generator).to(device)
 
     def step():
-        ddp.zero_grad_buffer()
+        for chunk in model_chunks(ddp):
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         if settings.packed:
             loss = packed_lm_forward_backward(ddp, sources, rows_per_microbatch, settings.tokens_per_microbatch)
@@ -159,7 +170,8 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     record = {"rank": torch.distributed.get_rank(), "tp": parallel.tp_rank(), "pp": stage, "dp": dp_rank,
               "optimizer": settings.optimizer, "bf16": settings.bf16, "platform": platform, "loss": loss,
               "packed": settings.packed, "tokens_per_microbatch": settings.tokens_per_microbatch,
-              "sequence_parallel": model.config.sequence_parallel,  # as built, not as asked
+              "model_chunks": len(chunks),  # as built, not as asked
+              "sequence_parallel": chunks[0].config.sequence_parallel,  # as built, not as asked
               "components": components, "peak_step": peak,
               "plan_breakdown": {k: v for k, v in step_plan.items() if k != "peak_step_bytes"}}
     record["within_bounds"] = within_bounds(record)
@@ -195,10 +207,10 @@ def packed_lm_forward_backward(model, sources, rows_per_microbatch: int, tokens:
     :func:`~logra_megatron.training.lm.lm_forward_backward` without ``vocab_size``). Returns the
     mean loss, agreed over the pipeline and DP."""
     import torch
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from logra_megatron import parallel
     from logra_megatron.models.positions import pack_rows
+    from logra_megatron.training.lm import pipeline_pass
 
     inputs, labels = sources[:, :-1], sources[:, 1:]
     real = torch.ones_like(inputs, dtype=torch.bool)
@@ -211,14 +223,14 @@ def packed_lm_forward_backward(model, sources, rows_per_microbatch: int, tokens:
         loss_mask[:, :packed.real_tokens] = 1.0
         microbatches.append((packed.tokens, packed.position_ids, packed.params, target, loss_mask))
 
-    def forward_step(data_iterator, model):
-        ids, positions, params, target, loss_mask = next(data_iterator)
-        output = model(ids, positions, None, labels=target, packed_seq_params=params)
+    def forward_step(microbatch, chunk, _):
+        ids, positions, params, target, loss_mask = microbatch
+        output = chunk(ids, positions, None, labels=target, packed_seq_params=params)
         return output, lambda out: _packed_loss(loss_mask, out)
 
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-        num_microbatches=len(microbatches), seq_length=tokens, micro_batch_size=1, forward_only=False)
+    # (one model chunk, or a virtual pipeline's list of them: the interleaved schedule)
+    losses = pipeline_pass(model, forward_step, microbatches, seq_length=tokens, micro_batch_size=1,
+                           forward_only=False)
     mean = 0.0
     if parallel.is_last_stage():
         mean = float(sum(item["lm loss"] for item in losses) / len(losses))
@@ -291,7 +303,8 @@ def main_validate(args) -> int:
 
     for settings in settings_list:
         check_settings(settings)
-    parallel.initialize(first.tensor_parallel, first.pipeline_parallel, seed=1234)
+    parallel.initialize(first.tensor_parallel, first.pipeline_parallel, seed=1234,
+                        virtual_pipeline=first.virtual_pipeline)
     try:
         records = []
         for settings in settings_list:

@@ -28,6 +28,7 @@ def plan_settings(config, world_size: int, seq_length: int, optimizer: str) -> P
     recompute = config.recompute
     return PlanSettings(
         model=config.model_config, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+        virtual_pipeline=config.parallel.virtual_pipeline(config.model_config.layers),
         sequence_parallel=config.parallel.sequence_parallel,
         optimizer=optimizer, distributed_optimizer=config.optimizer.distributed, bf16=config.model.bf16,
         logra=config.logra, kl_control=config.kl.mode, kl_probe_sequences=config.kl.probe_sequences,
@@ -45,11 +46,6 @@ def plan_summary(config, world_size: int, seq_length: int) -> dict:
     dense Adam at the same layout; ``{"unavailable": reason}`` for a run the planner does not
     model (the plan only informs: the run goes on)."""
     names = [config.optimizer.kind] + (["adam"] if config.optimizer.kind != "adam" else [])
-    if config.parallel.virtual_pipeline(config.model_config.layers):
-        # The interleaved schedule keeps more microbatches' activations in flight than the
-        # planner's 1F1B model counts; a plan that said less than the run holds would mislead.
-        return {"unavailable": "the planner does not model the interleaved pipeline "
-                               "(--num-layers-per-virtual-pipeline-stage)"}
     try:
         return {name: plan_memory(plan_settings(config, world_size, seq_length, name)).total_per_gpu
                 for name in names}
