@@ -507,7 +507,8 @@ def test_interleaved_pipeline_gives_pp2s_grpo_step(virtual_pipeline_runs):
     # the chunks were built (the summary counts the model chunks this rank holds)
     assert summary["virtual_pipeline_model_parallel_size"] == 2
     assert reference_summary["virtual_pipeline_model_parallel_size"] is None
-    assert "unavailable" in summary["memory_plan_bytes"]  # the planner does not model the interleaved schedule
+    # the start-up plan models the interleaved schedule: more passes in flight, so more bytes than 1F1B's
+    assert summary["memory_plan_bytes"]["logra"] > reference_summary["memory_plan_bytes"]["logra"] > 0
     assert all(row["kl_realized"] is not None and row["kl_pred"] > 0 for row in reference)
     # sampling through the chunks: the same held-out answers and the same rollouts
     assert_same_grpo_steps(rows, reference, ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "kl_pred",

@@ -1009,7 +1009,7 @@ class _Step:
             if self.settings.logra.master == "bf16-sr":
                 tl.moment(sr_commit_bytes([p.shape for p in sketched]), "optimizer_temporaries_bytes")
             else:
-                block = max((max(1, state_model._sketch_numel(p, state_model.sketch_rank(self.settings, p))
+                block = max((max(1, state_model.sketched_weight(self.settings, p).sketch_numel
                                  // p.shape[1]) * p.shape[1] for p in sketched), default=0)
                 tl.moment(block * FP32, "optimizer_temporaries_bytes")
         tl.free("update", "update_local", "copies")
@@ -1158,7 +1158,8 @@ class _Step:
         if not (self.logra and self._norm_probes()):
             return
         tl = self.timeline
-        sizes = [self._norm_probes() * p.projected_dim * FP32 for p in self.params if p.sketch_side is not None]
+        sizes = [state_model.sketched_weight(self.settings, p).probe_direction_numel(self._norm_probes()) * FP32
+                 for p in self.params if p.sketch_side is not None]
         tl.phase = "zero_grad"
         if self.platform == "cpu":
             tl.alloc("norm_probes", sum(sizes), "norm_probe_redraw_bytes")

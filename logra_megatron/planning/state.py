@@ -64,6 +64,7 @@ from logra_megatron.errors import UserError
 from logra_megatron.layout import ParallelLayout
 from logra_megatron.logra import update_memory
 from logra_megatron.logra.buckets import bucket_layout
+from logra_megatron.logra.sketch_memory import FP32, LEFT, RIGHT, SketchedWeight
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.multiples import round_up
 from logra_megatron.optim.dense_memory import (  # noqa: F401 (the components' names, read from here)
@@ -72,14 +73,10 @@ from logra_megatron.planning.settings import (MOMENT_DTYPES, OPTIMIZERS, RECOMPU
                                               RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
 
-FP32 = 4
 PARAM_ALIGNMENT = 64
 """Megatron DDP (distributed optimizer): every parameter starts at a multiple of 64 elements."""
 BUCKET_ALIGNMENT = 128
 """... and every bucket ends at a multiple of lcm(DP, 128) elements."""
-LEFT, RIGHT = "left", "right"
-"""Sketch sides, as logra/sketch.py names them: right for column-parallel (and vocabulary)
-weights, left for row-parallel ones."""
 
 STATE_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "norm_probe_bytes",
                     "moment_bytes", "projection_bytes", "controller_extra_bytes",
@@ -111,8 +108,7 @@ class Parameter:
     def projected_dim(self) -> int:
         """The sketch's projected (never TP-split) dimension: in-features of a right sketch,
         out-features of a left one."""
-        out_features, in_features = self.shape
-        return in_features if self.sketch_side == RIGHT else out_features
+        return SketchedWeight(self.sketch_side, *self.shape, rank=0).projected_dim
 
 
 def check_settings(settings: PlanSettings) -> None:
@@ -331,26 +327,14 @@ def sketch_buffer_numel(numels: List[int], shared_embedding: List[bool], dp: int
     return bucket_layout(numels, shared_embedding, bucket_size, dp, dp > 1)[2]
 
 
-def _row_range(rows: int, parts: int, part: int) -> int:
-    """Rows of ``part`` among ``parts`` near-equal contiguous ranges (logra/masters.py)."""
-    return rows * (part + 1) // parts - rows * part // parts
-
-
-def _lines(param: Parameter) -> int:
-    """The lines of a weight's sketch that its projection does not mix: its rows (right sketch,
-    the weight's output rows), or its columns (left sketch, the weight's input columns)."""
-    out_features, in_features = param.shape
-    return out_features if param.sketch_side == RIGHT else in_features
-
-
-def _sketch_numel(param: Parameter, rank: int) -> int:
-    out_features, in_features = param.shape
-    return out_features * rank if param.sketch_side == RIGHT else rank * in_features
-
-
 def sketch_rank(settings: PlanSettings, param: Parameter) -> int:
     """The LoGRA rank of a sketched weight (logra/config.py: ``sketch_rank``)."""
     return settings.logra.sketch_rank(param.projected_dim, param.name)
+
+
+def sketched_weight(settings: PlanSettings, param: Parameter) -> SketchedWeight:
+    """What LoGRA holds for a sketched weight, as LoGRA declares it (logra/sketch_memory.py)."""
+    return SketchedWeight(param.sketch_side, *param.shape, rank=sketch_rank(settings, param))
 
 
 def update_rule(settings: PlanSettings):
@@ -380,7 +364,8 @@ def update_rule_temporaries(settings: PlanSettings, slice_numel: int, line_numel
 
 def sketch_lines(settings: PlanSettings, stage: int) -> int:
     """Lines of every sketch of the stage (the length of a per-line state, never sliced)."""
-    return sum(_lines(p) for p in parameter_shapes(settings, stage) if p.sketch_side is not None)
+    return sum(sketched_weight(settings, p).lines
+               for p in parameter_shapes(settings, stage) if p.sketch_side is not None)
 
 
 def dense_main_numel(settings: PlanSettings, stage: int, dp_rank: Optional[int] = None) -> int:
@@ -429,21 +414,19 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
     if sketched:
         logra = settings.logra
         zero1 = distributed
-        ranks = [sketch_rank(settings, p) for p in sketched]
-        flat = sketch_buffer_numel([_sketch_numel(p, r) for p, r in zip(sketched, ranks)],
+        weights = [sketched_weight(settings, p) for p in sketched]
+        flat = sketch_buffer_numel([w.sketch_numel for w in weights],
                                    [p.shared_embedding for p in sketched], dp if zero1 else 1, settings.bucket_size)
         probes = norm_probes(settings)
-        probe_samples = sum(probes * _lines(p) for p in sketched)
-        state["sketch_bytes"] = (flat + probe_samples) * FP32
-        state["norm_probe_bytes"] = sum(probes * p.projected_dim for p in sketched) * FP32
+        state["sketch_bytes"] = (flat + sum(w.probe_sample_numel(probes) for w in weights)) * FP32
+        state["norm_probe_bytes"] = sum(w.probe_direction_numel(probes) for w in weights) * FP32
         # The rule's state, per element of this rank's slice or per line: the rule says which and how much.
         state["moment_bytes"] += update_rule_state_bytes(settings, flat // dp if zero1 else flat,
-                                                         sum(_lines(p) for p in sketched))
-        state["projection_bytes"] = sum(p.projected_dim * r for p, r in zip(sketched, ranks)) * FP32
+                                                         sum(w.lines for w in weights))
+        state["projection_bytes"] = sum(w.projection_numel for w in weights) * FP32
         if settings.bf16 and logra.master == "fp32":
-            sharded = zero1 and dp > 1
-            state["master_bytes"] += FP32 * sum(
-                (_row_range(p.shape[0], dp, dp_rank) if sharded else p.shape[0]) * p.shape[1] for p in sketched)
+            parts, part = (dp, dp_rank) if zero1 and dp > 1 else (1, 0)
+            state["master_bytes"] += FP32 * sum(w.master_numel(parts, part) for w in weights)
 
     # Beside training: a frozen reference policy and a colocated rollout engine.
     stage_numel = sum(p.numel for p in params)
@@ -508,12 +491,8 @@ def refresh_step_bytes(settings: PlanSettings, stage: int) -> int:
     if settings.logra.identity_projection or not update_memory.uses_range_finder(update_rule(settings)):
         return 0  # never refreshed, or a rule that redraws its projections without a range finder
     for param in parameter_shapes(settings, stage):
-        if param.sketch_side is None:
-            continue
-        out_features, in_features = param.shape
-        other = out_features if param.sketch_side == RIGHT else in_features
-        columns = min(sketch_rank(settings, param) + settings.logra.oversampling, param.projected_dim)
-        total += (other + param.projected_dim) * columns * FP32
+        if param.sketch_side is not None:
+            total += sketched_weight(settings, param).refresh_numel(settings.logra.oversampling) * FP32
     return total
 
 
@@ -521,7 +500,7 @@ def proposal_update_bytes(settings: PlanSettings, stage: int) -> int:
     """Bytes of LoGRA's proposed low-rank update ``U`` (one full-length flat fp32 tensor laid out
     like the sketch buffer, held from propose to commit; logra/optimizer.py)."""
     sketched = [p for p in parameter_shapes(settings, stage) if p.sketch_side is not None]
-    numel = sketch_buffer_numel([_sketch_numel(p, sketch_rank(settings, p)) for p in sketched],
+    numel = sketch_buffer_numel([sketched_weight(settings, p).sketch_numel for p in sketched],
                                 [p.shared_embedding for p in sketched],
                                 settings.data_parallel if settings.distributed_optimizer else 1, settings.bucket_size)
     return numel * FP32
