@@ -72,17 +72,16 @@ from logra_megatron.optim.dense_memory import (  # noqa: F401 (the components' n
 from logra_megatron.planning.settings import (MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
+from logra_megatron.training.measure import COMPONENTS as MEASURED_COMPONENTS
 
 PARAM_ALIGNMENT = 64
 """Megatron DDP (distributed optimizer): every parameter starts at a multiple of 64 elements."""
 BUCKET_ALIGNMENT = 128
 """... and every bucket ends at a multiple of lcm(DP, 128) elements."""
 
-STATE_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "norm_probe_bytes",
-                    "moment_bytes", "projection_bytes", "controller_extra_bytes",
-                    "reference_model_bytes", "rollout_bytes")
-"""The benchmark's component names (tools/benchmark_optimizer.py), plus the norm probes'
-directions, a reference model and a colocated rollout engine."""
+STATE_COMPONENTS = (*MEASURED_COMPONENTS, "norm_probe_bytes", "reference_model_bytes", "rollout_bytes")
+"""The components a step measures on live tensors (training/measure.py names them), plus the norm
+probes' directions, a reference model and a colocated rollout engine."""
 TRANSIENT_COMPONENTS = ("controller_extra_bytes",)
 """Held only during a step (inside its peak, see logra_megatron/planning/plan.py)."""
 
