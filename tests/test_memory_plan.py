@@ -15,6 +15,7 @@ import sys
 import pytest
 from dist_harness import REPO
 
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, SAMPLES_WITH_TRAINER_WEIGHTS
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models.config import get_preset
 from logra_megatron.planning.plan import fits, plan_memory, search_layouts
@@ -201,13 +202,32 @@ def test_logra_sketch_bytes_match_the_built_sketches_and_the_accounting():
 def test_kv_cache_engine_weights_and_reference_model():
     model = get_preset("qwen2.5-32b")
     shared = _dense(model, tensor_parallel=8, reference_model=True,
-                    rollout=RolloutPlan(sequences_in_flight=4, max_tokens=1000, separate_weights=False))
+                    rollout=RolloutPlan(sequences_in_flight=4, max_tokens=1000, engine=SAMPLES_WITH_TRAINER_WEIGHTS))
     state = stage_state(shared, 0)
     # K and V x 64 layers x 8 kv heads / TP 8 x head dim 128 x 4000 tokens x 2 bytes
     assert state["rollout_bytes"] == 2 * 64 * 1 * 128 * 4000 * 2
     assert state["reference_model_bytes"] == state["weight_bytes"] > 0
-    separate = stage_state(shared.with_changes(rollout=RolloutPlan(4, 1000, separate_weights=True)), 0)
+    separate = stage_state(shared.with_changes(rollout=RolloutPlan(4, 1000, engine=KEEPS_ITS_OWN_WEIGHTS)), 0)
     assert separate["rollout_bytes"] == state["rollout_bytes"] + state["weight_bytes"]
+
+
+def test_an_engine_declares_its_memory_and_the_plan_follows_it(monkeypatch):
+    """A new engine touches no file of the planner: its class's ``memory`` says what it holds."""
+    from logra_megatron.engine_memory import EngineMemory
+    from logra_megatron.rollout.engine import engine_memory
+
+    class PagedCache(EngineMemory):  # an engine that allocates its cache in 256-token pages
+        def kv_cache_bytes(self, layers, kv_heads, kv_channels, tokens, dtype_bytes):
+            return super().kv_cache_bytes(layers, kv_heads, kv_channels, -(-tokens // 256) * 256, dtype_bytes)
+
+    settings = _dense(get_preset("tiny"), rollout=RolloutPlan(sequences_in_flight=3, max_tokens=100,
+                                                              engine=PagedCache(own_weights=False)))
+    # K and V x 4 layers x 2 kv heads x head dim 16 x 512 tokens (300 in pages of 256) x 2 bytes
+    assert stage_state(settings, 0)["rollout_bytes"] == 2 * 4 * 2 * 16 * 512 * 2
+    # the package's engines and an outside one, as the trainer's start-up plan reads them (rl/memory_plan.py)
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "plugins"))
+    assert engine_memory("megatron") is SAMPLES_WITH_TRAINER_WEIGHTS
+    assert engine_memory("vllm").own_weights and engine_memory("echo_engine:EchoEngine").own_weights
 
 
 def test_search_prefers_the_layout_with_the_most_headroom():

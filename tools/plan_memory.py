@@ -223,10 +223,10 @@ def print_header(report: dict) -> None:
           f"reference model {'yes' if s['reference_model'] else 'no'}")
     if report.get("rollout_sequences_total"):
         print(f"rollout: {report['rollout_sequences_total']} sequences over all replicas x "
-              f"{rollout['max_tokens']} tokens, engine weights {'separate' if rollout['separate_weights'] else 'shared'}")
+              f"{rollout['max_tokens']} tokens, engine weights {'separate' if rollout['engine']['own_weights'] else 'shared'}")
     elif rollout["sequences_in_flight"]:
         print(f"rollout: {rollout['sequences_in_flight']} sequences per replica x {rollout['max_tokens']} tokens, "
-              f"engine weights {'separate' if rollout['separate_weights'] else 'shared'}")
+              f"engine weights {'separate' if rollout['engine']['own_weights'] else 'shared'}")
     print()
 
 

@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 from typing import Optional
 
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, SAMPLES_WITH_TRAINER_WEIGHTS
 from logra_megatron.errors import UserError
 from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULES, LogRAConfig, add_rank_arguments, rank_settings
 from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
@@ -191,7 +192,8 @@ def rollout_for(args, data_parallel: int) -> RolloutPlan:
         raise UserError(f"--rollout-max-tokens must be >= 1, got {tokens}")
     per_replica = ceil_div(args.rollout_sequences, data_parallel)
     return RolloutPlan(sequences_in_flight=per_replica, max_tokens=tokens if per_replica else 0,
-                       dtype_bytes=2, separate_weights=args.rollout_engine_weights == "separate")
+                       dtype_bytes=2, engine=KEEPS_ITS_OWN_WEIGHTS if args.rollout_engine_weights == "separate"
+                       else SAMPLES_WITH_TRAINER_WEIGHTS)
 
 
 def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:

@@ -9,6 +9,7 @@ batch, activation recomputation, a KL reference model, a colocated rollout engin
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, EngineMemory
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.models.config import ModelConfig, resolve_attention_backend
 from logra_megatron.optim.dense_memory import DENSE_ROWS, MOMENT_DTYPES  # noqa: F401 (read from here)
@@ -31,16 +32,16 @@ copies of the mains), and LoGRA (under ``--kl-control``, as the trainer runs it)
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """A rollout engine colocated with the trainer on the same GPUs: its own copy of the weights
-    (in ``dtype_bytes`` per element, sharded like the trainer's TP x PP unless the engine holds
-    the whole model) and the KV cache for ``sequences_in_flight`` sequences of ``max_tokens``
-    (prompt + response) tokens per data-parallel replica."""
+    """A rollout engine colocated with the trainer on the same GPUs: ``sequences_in_flight``
+    sequences of ``max_tokens`` (prompt + response) tokens per data-parallel replica, in
+    ``dtype_bytes`` per element; what that costs the engine says (``engine``, its declaration:
+    engine_memory.py)."""
 
     sequences_in_flight: int = 0
     max_tokens: int = 0
     dtype_bytes: int = 2
-    separate_weights: bool = True
-    """False for our embedded Megatron engine (it samples with the trainer's own weights)."""
+    engine: EngineMemory = KEEPS_ITS_OWN_WEIGHTS
+    """The engine's ``memory`` declaration (our embedded Megatron engine's holds no weights of its own)."""
 
 
 @dataclass(frozen=True)

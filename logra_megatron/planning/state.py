@@ -451,23 +451,15 @@ def dense_optimizer_bytes(settings: PlanSettings, grad_buffer_numel: int,
     return row(settings, grad_buffer_numel, [elements for _, elements in mains])
 
 
-def kv_cache_bytes(settings: PlanSettings, stage: int) -> int:
-    """``2 (K and V) x layers on the stage x kv heads / TP x head dim x tokens x bytes``; the
-    tokens are this DP replica's sequences in flight times their length (prompt + response)."""
-    model, rollout = settings.model, settings.rollout
-    tokens = rollout.sequences_in_flight * rollout.max_tokens
-    heads = model.kv_heads // settings.tensor_parallel
-    return 2 * len(stage_layers(settings, stage)) * heads * model.kv_channels * tokens * rollout.dtype_bytes
-
-
 def rollout_bytes(settings: PlanSettings, stage: int) -> int:
-    """A colocated rollout engine on this rank: its own copy of this stage's weights (sharded
-    like the trainer's) when it keeps one, and its KV cache."""
-    rollout = settings.rollout
-    weights = 0
-    if rollout.separate_weights and rollout.sequences_in_flight > 0:
-        weights = sum(p.numel for p in parameter_shapes(settings, stage)) * rollout.dtype_bytes
-    return weights + kv_cache_bytes(settings, stage)
+    """A colocated rollout engine on this rank, as the engine declares it (``RolloutPlan.engine``,
+    engine_memory.py): this rank's layers and KV heads, and its weights should it keep a copy."""
+    model, rollout = settings.model, settings.rollout
+    weight_numel = sum(p.numel for p in parameter_shapes(settings, stage)) if rollout.engine.own_weights else 0
+    return rollout.engine.bytes(layers=len(stage_layers(settings, stage)),
+                                kv_heads=model.kv_heads // settings.tensor_parallel, kv_channels=model.kv_channels,
+                                sequences=rollout.sequences_in_flight, max_tokens=rollout.max_tokens,
+                                dtype_bytes=rollout.dtype_bytes, weight_numel=weight_numel)
 
 
 def worst_dp_rank_state(settings: PlanSettings, stage: int) -> Tuple[int, Dict[str, int]]:

@@ -7,6 +7,7 @@ from logra_megatron.ops.multiples import ceil_div
 from logra_megatron.planning.plan import plan_memory
 from logra_megatron.planning.settings import PlanSettings, RolloutPlan
 from logra_megatron.rl.packing import default_token_budget
+from logra_megatron.rollout.engine import engine_memory
 
 MIB = 2 ** 20
 
@@ -38,7 +39,7 @@ def plan_settings(config, world_size: int, seq_length: int, optimizer: str) -> P
         recompute_method=recompute.method, recompute_num_layers=recompute.num_layers,
         attention_backend=config.model.attention_backend, reference_model=config.loss.kl_coef > 0,
         rollout=RolloutPlan(sequences_in_flight=ceil_div(rollout_rows, dp), max_tokens=seq_length,
-                            dtype_bytes=2 if config.model.bf16 else 4, separate_weights=False))
+                            dtype_bytes=2 if config.model.bf16 else 4, engine=engine_memory(config.rollout.engine)))
 
 
 def plan_summary(config, world_size: int, seq_length: int) -> dict:

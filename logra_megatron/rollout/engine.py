@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
 
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, EngineMemory
 from logra_megatron.errors import UserError
 from logra_megatron.rollout.types import Rollouts, SamplingConfig
 from logra_megatron.registry import Registry
@@ -71,6 +72,13 @@ def check_engine_available(name: str) -> None:
     if not found:
         raise UserError(f"--rollout-engine {name} needs the {package!r} package, which is not installed; "
                         f"install it with: {install}")
+
+
+def engine_memory(name: str) -> EngineMemory:
+    """What engine ``name`` declares it holds beside the trainer (its class's ``memory``,
+    engine_memory.py); an engine that declares nothing is planned with its own copy of the weights.
+    Imports the engine's module, not what it runs on."""
+    return getattr(ROLLOUT_ENGINES.get(name), "memory", KEEPS_ITS_OWN_WEIGHTS)
 
 
 def engine_syncs_low_rank(name: str) -> bool:

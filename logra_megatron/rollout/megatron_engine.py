@@ -83,6 +83,7 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron.core.utils import get_attr_wrapped_model
 
 from logra_megatron import parallel
+from logra_megatron.engine_memory import SAMPLES_WITH_TRAINER_WEIGHTS
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import model_device, unwrap_model
 from logra_megatron.models.positions import pack_rows, padded_causal_mask, rope_positions
@@ -360,6 +361,7 @@ class MegatronEngine:
     model, at any TP/PP layout. It reads the live weights, so a sync moves nothing."""
 
     name = "megatron"
+    memory = SAMPLES_WITH_TRAINER_WEIGHTS  # (engine_memory.py) its KV cache only
 
     def __init__(self, model, pack_sequences: bool = True):
         self.model = model

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from logra_megatron import parallel
 from logra_megatron.convert.hf import megatron_to_hf
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import model_device, unwrap_model
 from logra_megatron.models.config import ModelConfig
@@ -125,6 +126,7 @@ class RemoteEngine:
     ``SamplingConfig.vocab_size``, else the model's padded one)."""
 
     policy_syncs = POLICY_SYNCS
+    memory = KEEPS_ITS_OWN_WEIGHTS  # (engine_memory.py) its weights' copy and its KV cache
     """The ``--policy-sync`` kinds this engine takes (rollout/engine.py: ``engine_syncs_low_rank``)."""
 
     name = "remote"

@@ -1,0 +1,40 @@
+"""What a rollout engine colocated with the trainer holds on one GPU, declared by the engine.
+
+An engine class names its declaration in its ``memory`` attribute (``MegatronEngine``: it samples
+with the trainer's own weights; ``RemoteEngine``: it keeps a copy of them); the trainer's start-up
+plan reads it through ``rollout/engine.py: engine_memory`` and the planner adds up what it says
+(``planning/state.py``). An engine with another cache layout declares its own ``EngineMemory``
+subclass, and no file of the planner changes.
+
+Torch-free and importing nothing of the package, so that the planner (a lower layer than the
+engines, docs/ARCHITECTURE.md) can read it without loading torch.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """A KV cache of K and V per layer for every sequence in flight at its full length (static
+    batching: ``rollout/megatron_engine.py`` allocates Megatron's ``StaticInferenceContext`` for
+    the whole batch at once), and, when ``own_weights``, a copy of the rank's weights in the
+    engine's precision (sharded like the trainer's)."""
+
+    own_weights: bool = True
+
+    def kv_cache_bytes(self, layers: int, kv_heads: int, kv_channels: int, tokens: int, dtype_bytes: int) -> int:
+        """``2 (K and V) x layers x kv heads (this rank's) x head dim x tokens x bytes``."""
+        return 2 * layers * kv_heads * kv_channels * tokens * dtype_bytes
+
+    def bytes(self, *, layers: int, kv_heads: int, kv_channels: int, sequences: int, max_tokens: int,
+              dtype_bytes: int, weight_numel: int) -> int:
+        """All the engine holds on one rank: ``layers`` and ``kv_heads`` are this rank's (its
+        pipeline stage's, its TP share), ``weight_numel`` the elements of this rank's weights."""
+        weights = weight_numel * dtype_bytes if self.own_weights and sequences > 0 else 0
+        return weights + self.kv_cache_bytes(layers, kv_heads, kv_channels, sequences * max_tokens, dtype_bytes)
+
+
+SAMPLES_WITH_TRAINER_WEIGHTS = EngineMemory(own_weights=False)
+"""The embedded Megatron engine: its sampling reads the trainer's live weights."""
+KEEPS_ITS_OWN_WEIGHTS = EngineMemory(own_weights=True)
+"""An engine on another runtime (vLLM, any ``RemoteEngine``): the weights are sent to its copy."""
