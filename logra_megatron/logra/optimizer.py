@@ -19,9 +19,11 @@ import math
 from dataclasses import replace
 from typing import Dict, List, Optional
 
+import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from logra_megatron.logra.config import LogRAConfig
+from logra_megatron.logra.sketch import RIGHT
 from logra_megatron.logra.sketch_optimizer import SketchSpaceOptimizer
 from logra_megatron.optim.controlled import ControlledOptimizer
 from logra_megatron.optim.megatron_internals import flatten_chain
@@ -42,6 +44,27 @@ class LogRAOptimizer(ControlledOptimizer):
             return {}
         return {"grad_norm": self.last_norms["grad_norm"],
                 "grad_norm_sketch": math.sqrt(self.last_dense_sq + self.sketch.last_norms["sketch_sq"])}
+
+    @torch.no_grad()
+    def _step_squares(self) -> List[torch.Tensor]:
+        """The dense remainder's parts of ``||D||^2`` and the sketched weights': ``lr U Q^T``
+        (right) or ``lr P U`` (left), each through the ``r x r`` Gram matrix of its projection
+        (``||U Q^T||^2 = <U Q^T Q, U>``), never the full-size product. The weight-decay term
+        ``lr wd W`` is left out: the same fraction of ``W`` every step, it does not tell one
+        step's length from the next."""
+        squares = super()._step_squares()
+        proposal = self.sketch.proposal
+        if proposal is None:
+            return squares
+        for entry in self.sketch.sketch_buffer.weights:
+            update = entry.view(proposal.update).to(torch.float64)
+            projection = entry.sketch.projection.to(torch.float64)
+            if entry.sketch.side == RIGHT:
+                square = ((update @ (projection.t() @ projection)) * update).sum()
+            else:
+                square = (((projection.t() @ projection) @ update) * update).sum()
+            squares.append(square * proposal.lr**2)
+        return squares
 
     # --- the sketch space, named as the trainer, the policy sync and the tests read it ----------
 
