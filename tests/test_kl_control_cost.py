@@ -210,14 +210,19 @@ def test_a_search_that_ends_below_the_band_is_carried_up_within_the_tolerance():
     assert controller.settled_scale == metrics["step_scale"]
 
 
-@pytest.mark.parametrize("embeddings", [False, True], ids=["dense_embeddings", "sketched_embeddings"])
-def test_the_proposed_step_norm_is_the_committed_change_of_the_weights(embeddings):
-    """``proposed_step_norm()`` (the sketched weights' ``lr U Q^T`` through the projection's Gram
-    matrix, the dense remainder's ``after - before``) equals the norm of what ``commit(1.0)``
-    changes in the fp32 weights (no weight decay)."""
+@pytest.mark.parametrize("embeddings,orthonormal", [(False, True), (True, True), (False, False)],
+                         ids=["dense_embeddings", "sketched_embeddings", "scaled_projections"])
+def test_the_proposed_step_norm_is_the_committed_change_of_the_weights(embeddings, orthonormal):
+    """``proposed_step_norm()`` (the sketched weights' ``lr ||U||`` for orthonormal projections,
+    else ``lr U Q^T`` through the projection's Gram matrix; the dense remainder's ``after -
+    before``) equals the norm of what ``commit(1.0)`` changes in the fp32 weights (no weight
+    decay)."""
     parallel.initialize(1, 1, seed=1234)
     _, ddp, optimizer = build_trainable(MODEL, OptimizerSettings(kind="logra", lr=5e-2),
                                         LogRAConfig(rank=16, refresh_interval=5, embeddings=embeddings))
+    if not orthonormal:  # (a new tensor, as a refresh makes: sketch and commit both use it)
+        for entry in optimizer.weights:
+            entry.sketch.projection = entry.sketch.projection * 1.5
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     lm_forward_backward(ddp, TOKENS, 4)

@@ -34,12 +34,16 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    more than ``tolerance`` (at most ``max_refinements`` extra forecasts). The exponent measured
    last carries to the next step's first rescale (``s = (kl_target / KL_pred)^(1/e)``), which
    saves a re-forecast whenever the regime holds (``growth_exponent``, checkpointed).
-   Warm start (``probe``): a step's first forecast is at the scale the last step settled on
-   (``settled_scale``, checkpointed; ``s = 1`` at the first step), and a forecast there within
+   Warm start (``probe``): a step's first forecast is where the proposed step has the length
+   the last committed step had (``settled_length / ||D||``, ``||D||`` the optimizer's
+   ``proposed_step_norm()``; without one the last settled scale, ``settled_scale``; both
+   checkpointed; ``s = 1`` at the first step: :meth:`first_scale`), and a forecast there within
    ``tolerance`` of the budget on either side (:meth:`in_band`), or one whose rescale along the
    growth exponent keeps the KL within ``tolerance`` of the budget for any exponent in
-   ``[1, 2]`` (:meth:`rescalable`), is accepted, re-centred on the budget: one forecast, where
-   starting at ``s = 1`` took two or three once steps need scaling down.
+   ``[e - EXPONENT_SPREAD, 2]`` around the carried ``e`` (:meth:`rescalable`), is accepted,
+   re-centred on the budget: one forecast, where starting at ``s = 1`` took two or three once
+   steps need scaling down. A refinement that lands below the band is carried up towards the
+   budget as far as the tolerance allows (:meth:`_carried_up`).
    ``kl_pred`` is the forecast KL of the step as committed (``step_scale`` times ``D``), or a
    forecast at another scale carried there along the growth exponent
    (``kl_pred_forecast_scale`` says which).
