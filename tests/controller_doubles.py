@@ -27,3 +27,20 @@ class Proposal:
 class NoLogits:
     def base(self, probe):
         return []
+
+
+class SizedProposal(Proposal):
+    """A :class:`Proposal` that says its step's length (``proposed_step_norm``), one figure a step
+    from ``norms``."""
+
+    def __init__(self, norms):
+        super().__init__()
+        self.norms = list(norms)
+        self.step = -1
+
+    def propose(self):
+        self.step += 1
+        return super().propose()
+
+    def proposed_step_norm(self):
+        return self.norms[self.step]

@@ -119,7 +119,7 @@ def counted_steps(monkeypatch, steps=4, kept=True, realized_interval=1, warm=Tru
         metrics = controller.step(ddp, optimizer, probe, step_logits=keep)
         forecasts = len(calls["kl"]) - (1 if metrics["kl_realized"] is not None else 0)
         history.append({**metrics, "forwards": calls["logits"], "forecasts": forecasts,
-                        "first_scale": calls["kl"][0]})
+                        "first_scale": calls["kl"][0], "length": controller.settled_length})
     state = [p.detach().clone() for p in ddp.parameters()]
     monkeypatch.undo()
     return history, state, controller
@@ -167,7 +167,8 @@ def test_kept_logits_give_today_s_steps_bit_for_bit_where_the_groups_agree(monke
 
 def test_the_first_forecast_starts_where_the_last_step_settled(monkeypatch):
     """Warm start on the model: after the first step (at s = 1) each step's first forecast is at
-    the scale the previous step committed; a step whose forecast there lands in the band is
+    the scale that gives its proposed step the length the previous step committed (LoGRA says
+    its step's length: ``proposed_step_norm``); a step whose forecast there lands in the band is
     one forecast; the realized KL stays within the tolerance of the target; the settled scale
     travels with the controller's checkpoint state. (On ``tiny`` with this learning rate the
     scale a step needs swings 2-3x from step to step, so the warm start saves no forecast here:
@@ -175,7 +176,9 @@ def test_the_first_forecast_starts_where_the_last_step_settled(monkeypatch):
     warm, _, controller = counted_steps(monkeypatch, steps=6, realized_interval=1, warm=True)
     assert warm[0]["first_scale"] == 1.0
     for previous, step in zip(warm, warm[1:]):
-        assert step["first_scale"] == previous["step_scale"] < 1.0
+        norm = step["length"] / step["step_scale"]  # this step's ||D||
+        assert step["first_scale"] == pytest.approx(min(1.0, previous["length"] / norm), rel=1e-12)
+        assert step["first_scale"] != previous["step_scale"]  # the length, not the scale
     for metrics in warm:
         if metrics["forecasts"] == 1:  # accepted in the band, re-centred on the budget
             assert metrics["step_scale"] == pytest.approx(metrics["first_scale"], rel=0.1)
@@ -185,6 +188,7 @@ def test_the_first_forecast_starts_where_the_last_step_settled(monkeypatch):
     resumed = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
     resumed.load_state_dict(controller.state_dict())
     assert resumed.settled_scale == controller.settled_scale == warm[-1]["step_scale"]
+    assert resumed.settled_length == controller.settled_length == warm[-1]["length"]
     older = PredictedKLController(KLControlConfig(mode="probe", target=TARGET))
     older.load_state_dict({"steps": 3, "mismatch": None})  # a checkpoint from before: s = 1 first
     assert older.settled_scale is None

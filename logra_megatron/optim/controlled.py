@@ -237,6 +237,29 @@ class ControlledOptimizer(ChainedOptimizer):
         self._before = self._after = None
         self._proposed = False
 
+    @torch.no_grad()
+    def proposed_step_norm(self) -> Optional[float]:
+        """The length of the proposed step ``D`` in weight space (None when nothing is proposed),
+        agreed on every rank: the local squares summed over the whole world, so a parameter held
+        on several ranks (TP duplicates, data-parallel replicas) counts once per holder. That is
+        a constant factor per parameter for a given layout: the KL controller only compares
+        the lengths of successive steps (its warm start), never the figure itself."""
+        if not self._proposed:
+            return None
+        local = torch.zeros((), dtype=torch.float64, device=self._device())
+        for square in self._step_squares():
+            local += square.to(local.device, torch.float64)
+        dist.all_reduce(local)
+        return math.sqrt(float(local))
+
+    def _step_squares(self) -> List[torch.Tensor]:
+        """This rank's parts of ``||D||^2``: the dense mains' ``after - before`` (without the
+        copies, under ``step()``, none), then the low-rank part's (:class:`LogRAOptimizer`)."""
+        if self._before is None:
+            return []
+        return [torch.linalg.vector_norm(after - before, dtype=torch.float64) ** 2
+                for before, after in zip(self._before, self._after)]
+
     def extra_bytes(self) -> int:
         """Bytes held only while a step is proposed (the dense parts' before/after copies)."""
         copies = (self._before or []) + (self._after or [])
