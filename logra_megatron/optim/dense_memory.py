@@ -38,6 +38,13 @@ BLOCKWISE_8BIT_MIN_NUMEL = 4096
 
 Bytes = Tuple[Dict[str, int], Dict[str, int]]
 
+
+def proposal_copies_bytes(main_numel: int) -> int:
+    """What a step proposed under the KL controller holds beside a dense optimizer, from propose to
+    commit: its ``main_numel`` fp32 mains before and after the step (``optim/controlled.py:
+    ControlledOptimizer``, whose ``extra_bytes()`` measures the same copies live)."""
+    return 2 * main_numel * FP32
+
 DENSE_ROWS = Registry("dense optimizer row", "--optimizer")
 """The dense optimizers the planner plans, by row name."""
 

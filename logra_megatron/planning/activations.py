@@ -1124,7 +1124,7 @@ class _Step:
                 self._dense_step()
             return
         # propose: the dense optimizer's mains copied before and after its step
-        copies = 2 * state_model.dense_main_numel(settings, self.stage) * FP32
+        copies = state_model.proposal_copies_bytes(state_model.dense_main_numel(settings, self.stage))
         before = copies // 2
         tl.alloc("copies_before", before, "controller_copies_bytes")
         if self.logra:

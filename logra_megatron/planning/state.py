@@ -68,7 +68,8 @@ from logra_megatron.logra.sketch_memory import FP32, LEFT, RIGHT, SketchedWeight
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.multiples import round_up
 from logra_megatron.optim.dense_memory import (  # noqa: F401 (the components' names, read from here)
-    ADAM_STEP_BYTES, BLOCKWISE_8BIT_BLOCK, BLOCKWISE_8BIT_MIN_NUMEL, DENSE_ROWS, HOST_COMPONENTS)
+    ADAM_STEP_BYTES, BLOCKWISE_8BIT_BLOCK, BLOCKWISE_8BIT_MIN_NUMEL, DENSE_ROWS, HOST_COMPONENTS,
+    proposal_copies_bytes)
 from logra_megatron.planning.settings import (MOMENT_DTYPES, OPTIMIZERS, RECOMPUTE_GRANULARITIES,
                                               RECOMPUTE_METHODS, PlanSettings)
 from logra_megatron.training.config import KL_MODES
@@ -407,7 +408,7 @@ def stage_state(settings: PlanSettings, stage: int, dp_rank: int = 0, with_host:
     gpu, host = dense_optimizer_bytes(settings, buffer_numel if dense else 0, mains)
     state.update(gpu)
     if settings.kl_control != "off":
-        state["controller_extra_bytes"] = 2 * main_numel * FP32
+        state["controller_extra_bytes"] = proposal_copies_bytes(main_numel)
 
     # Sketched weights: LoGRA's sketch buffer, probes, sketch-space Adam, projections, masters.
     if sketched:
