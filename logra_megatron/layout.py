@@ -54,3 +54,17 @@ class ParallelLayout:
             )
         if vocab_size < tp:
             raise UserError(f"vocab size {vocab_size} is smaller than tensor-parallel size {tp}")
+
+
+def microbatch_group_size(num_microbatches: int, pipeline: int) -> int:
+    """The contiguous microbatches per virtual stage for Megatron's interleaved schedule
+    (``microbatch_group_size_per_vp_stage``, default the pipeline size), as the trainer sets it
+    (training/lm.py) and the planner replays it (planning/activations.py): megatron-core 0.16.1
+    (pipeline_parallel/schedules.py) wants it in [PP, M] and the remainder ``M % N`` 0 or at
+    least PP. The smallest such ``N`` (a larger one keeps more activations in flight); M = PP
+    gives PP, any M >= PP has one (N = M)."""
+    for size in range(pipeline, num_microbatches + 1):
+        remainder = num_microbatches % size
+        if remainder == 0 or remainder >= pipeline:
+            return size
+    raise ValueError(f"{num_microbatches} microbatches are fewer than the pipeline's {pipeline} stages")

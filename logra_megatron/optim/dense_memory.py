@@ -45,6 +45,7 @@ def proposal_copies_bytes(main_numel: int) -> int:
     ControlledOptimizer``, whose ``extra_bytes()`` measures the same copies live)."""
     return 2 * main_numel * FP32
 
+
 DENSE_ROWS = Registry("dense optimizer row", "--optimizer")
 """The dense optimizers the planner plans, by row name."""
 

@@ -99,6 +99,7 @@ from dataclasses import dataclass
 from typing import Dict
 
 from logra_megatron.errors import UserError
+from logra_megatron.layout import microbatch_group_size
 from logra_megatron.models.config import resolve_attention_backend
 from logra_megatron.ops.budgets import KL_CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS, SR_BLOCK_ELEMENTS, kl_chunk_rows
 from logra_megatron.ops.multiples import ceil_div, round_up
@@ -1195,23 +1196,11 @@ def activation_bytes(settings: PlanSettings, stage: int, platform: str = "cuda")
     return result
 
 
-def interleaved_group_size(microbatches: int, pipeline: int) -> int:
-    """Megatron's ``microbatch_group_size_per_vp_stage`` as the trainer sets it under several
-    chunks (training/lm.py ``microbatch_group_size``, restated here to keep the planner free of
-    torch; tests/test_memory_plan.py holds the two equal): the smallest ``N`` in ``[PP, M]``
-    whose remainder ``M % N`` is 0 or at least PP."""
-    for size in range(pipeline, microbatches + 1):
-        remainder = microbatches % size
-        if remainder == 0 or remainder >= pipeline:
-            return size
-    return pipeline
-
-
 def _group_size(settings: PlanSettings) -> int:
     """The group size the schedule runs with: the trainer's under several chunks; one chunk
     keeps Megatron's default, PP (``model_parallel_config.py``)."""
     if settings.chunks > 1:
-        return interleaved_group_size(settings.pipeline_microbatches, settings.pipeline_parallel)
+        return microbatch_group_size(settings.pipeline_microbatches, settings.pipeline_parallel)
     return settings.pipeline_parallel
 
 

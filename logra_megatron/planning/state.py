@@ -456,11 +456,11 @@ def rollout_bytes(settings: PlanSettings, stage: int) -> int:
     """A colocated rollout engine on this rank, as the engine declares it (``RolloutPlan.engine``,
     engine_memory.py): this rank's layers and KV heads, and its weights should it keep a copy."""
     model, rollout = settings.model, settings.rollout
-    weight_numel = sum(p.numel for p in parameter_shapes(settings, stage)) if rollout.engine.own_weights else 0
     return rollout.engine.bytes(layers=len(stage_layers(settings, stage)),
                                 kv_heads=model.kv_heads // settings.tensor_parallel, kv_channels=model.kv_channels,
                                 sequences=rollout.sequences_in_flight, max_tokens=rollout.max_tokens,
-                                dtype_bytes=rollout.dtype_bytes, weight_numel=weight_numel)
+                                dtype_bytes=rollout.dtype_bytes,
+                                weight_numel=sum(p.numel for p in parameter_shapes(settings, stage)))
 
 
 def worst_dp_rank_state(settings: PlanSettings, stage: int) -> Tuple[int, Dict[str, int]]:

@@ -126,8 +126,9 @@ class RemoteEngine:
     ``SamplingConfig.vocab_size``, else the model's padded one)."""
 
     policy_syncs = POLICY_SYNCS
-    memory = KEEPS_ITS_OWN_WEIGHTS  # (engine_memory.py) its weights' copy and its KV cache
     """The ``--policy-sync`` kinds this engine takes (rollout/engine.py: ``engine_syncs_low_rank``)."""
+    memory = KEEPS_ITS_OWN_WEIGHTS
+    """What it holds beside the trainer (engine_memory.py): its weights' copy and its KV cache."""
 
     name = "remote"
     in_process_allowed = True

@@ -23,6 +23,7 @@ from megatron.core.utils import get_model_config
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from logra_megatron import parallel
+from logra_megatron.layout import microbatch_group_size
 from logra_megatron.models.build import causal_attention_mask, model_device, position_ids_for, unwrap_model
 from logra_megatron.models.positions import PackedRows, padded_causal_mask, rope_positions
 from logra_megatron.ops.vocab_parallel import mask_padded_vocab
@@ -38,19 +39,6 @@ def ends_model(model) -> bool:
     """True when ``model`` (one chunk, wrapped or not) computes the logits: the last stage's
     only chunk, or its last chunk under a virtual pipeline."""
     return bool(unwrap_model(model).post_process)
-
-
-def microbatch_group_size(num_microbatches: int, pipeline: int) -> int:
-    """The contiguous microbatches per virtual stage for Megatron's interleaved schedule
-    (``microbatch_group_size_per_vp_stage``, default the pipeline size): megatron-core 0.16.1
-    (pipeline_parallel/schedules.py) wants it in [PP, M] and the remainder ``M % N`` 0 or at
-    least PP. The smallest such ``N`` (a larger one keeps more activations in flight); M = PP
-    gives PP, any M >= PP has one (N = M)."""
-    for size in range(pipeline, num_microbatches + 1):
-        remainder = num_microbatches % size
-        if remainder == 0 or remainder >= pipeline:
-            return size
-    raise ValueError(f"{num_microbatches} microbatches are fewer than the pipeline's {pipeline} stages")
 
 
 @contextlib.contextmanager
