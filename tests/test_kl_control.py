@@ -275,21 +275,26 @@ TWO_PART_PROBE = ProbeSet(TOKENS[:2], PROMPT_MASKED, micro_batch_size=1)
 
 def counted_run(monkeypatch, cached: bool, held_out=None, steps=3):
     """``steps`` probe-controlled steps (the realized KL every step); per step the forward passes
-    of probe rows (``ProbeSet.logits`` calls) and the forecasts (``kl`` calls, the first and the
-    refinements, less the realized KL's). ``cached=False`` is the controller as it was: the
-    ``s = 0`` logits recomputed by every forecast."""
-    calls = {"logits": 0, "kl": 0}
-    logits, kl = ProbeSet.logits, PredictedKLController.kl
+    of the probe set (``ProbeSet.each_logits`` calls: each takes all of a probe's parts through
+    the schedule together), the parts those passes computed, and the forecasts (``kl`` calls,
+    the first and the refinements, less the realized KL's). ``cached=False`` is the controller
+    as it was: the ``s = 0`` logits recomputed by every forecast."""
+    calls = {"passes": 0, "parts": 0, "kl": 0}
+    each_logits, kl = ProbeSet.each_logits, PredictedKLController.kl
 
-    def counting_logits(self, *args):
-        calls["logits"] += 1
-        return logits(self, *args)
+    def counting_each_logits(self, model, consume):
+        calls["passes"] += 1
+
+        def counting_consume(index, logits):
+            calls["parts"] += 1
+            consume(index, logits)
+        return each_logits(self, model, counting_consume)
 
     def counting_kl(self, *args, **kwargs):
         calls["kl"] += 1
         return kl(self, *args, **kwargs)
 
-    monkeypatch.setattr(ProbeSet, "logits", counting_logits)
+    monkeypatch.setattr(ProbeSet, "each_logits", counting_each_logits)
     monkeypatch.setattr(PredictedKLController, "kl", counting_kl)
     if not cached:
         monkeypatch.setattr(PredictedKLController, "base_logits", lambda *args: None)
@@ -302,9 +307,9 @@ def counted_run(monkeypatch, cached: bool, held_out=None, steps=3):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         lm_forward_backward(ddp, TOKENS, 4)
-        calls.update(logits=0, kl=0)
+        calls.update(passes=0, parts=0, kl=0)
         metrics = controller.step(ddp, optimizer, TWO_PART_PROBE, held_out)
-        history.append({**metrics, "forwards": calls["logits"], "forecasts": calls["kl"] - 1})
+        history.append({**metrics, "passes": calls["passes"], "parts": calls["parts"], "forecasts": calls["kl"] - 1})
     state = [p.detach().clone() for p in ddp.parameters()]
     monkeypatch.undo()
     return history, state
@@ -314,23 +319,27 @@ def counted_run(monkeypatch, cached: bool, held_out=None, steps=3):
 def test_cached_base_logits_give_exactly_the_recomputed_forecast_with_fewer_passes(monkeypatch, held_out):
     """The s = 0 logits computed once per step: the same forecasts, scales, realized KL and
     weights, bit for bit, as recomputing them for every forecast; the probe's forward passes
-    per step fall from 2 per part per forecast to 1 per part per forecast plus 1."""
+    per step fall from 2 per forecast to 1 per forecast plus 1, each pass computing every part
+    once."""
     recomputed, recomputed_state = counted_run(monkeypatch, cached=False, held_out=held_out)
     cached, cached_state = counted_run(monkeypatch, cached=True, held_out=held_out)
     parts = len(TWO_PART_PROBE.parts())
-    realized_passes = 2 * len(held_out.parts()) if held_out is not None else None
+    assert parts == 2
+    realized_parts = 2 * len(held_out.parts()) if held_out is not None else None
     assert any(m["forecasts"] > 1 for m in cached), cached  # the scale search refined
     for old, new in zip(recomputed, cached):
         for key in ("kl_pred", "step_scale", "kl_realized"):
             assert new[key] == old[key], (key, old, new)
         forecasts = new["forecasts"]
         assert forecasts == old["forecasts"]
-        # Recomputed: 2 passes per part per forecast, and 2 per part of the realized KL's rows.
-        assert old["forwards"] == 2 * parts * forecasts + (realized_passes or 2 * parts)
-        # Cached: 1 pass per part for s = 0, 1 per part per forecast; the realized KL on the probe
-        # reuses the cache (1 per part), on held-out rows costs what it did.
-        assert new["forwards"] == parts * (1 + forecasts) + (realized_passes or parts)
-        assert new["forwards"] < old["forwards"]
+        # Recomputed: 2 passes per forecast, and 2 of the realized KL's rows.
+        assert old["passes"] == 2 * forecasts + 2
+        assert old["parts"] == 2 * parts * forecasts + (realized_parts or 2 * parts)
+        # Cached: 1 pass for s = 0, 1 per forecast; the realized KL on the probe reuses the cache
+        # (1 pass), on held-out rows costs what it did (2).
+        assert new["passes"] == 1 + forecasts + (2 if held_out is not None else 1)
+        assert new["parts"] == parts * (1 + forecasts) + (realized_parts or parts)
+        assert new["passes"] < old["passes"]
     assert all(torch.equal(a, b) for a, b in zip(cached_state, recomputed_state))
 
 

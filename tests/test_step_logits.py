@@ -92,20 +92,25 @@ def test_a_probe_that_is_not_in_the_step_forward_is_refused():
 
 
 def counted_steps(monkeypatch, steps=4, kept=True, realized_interval=1, warm=True):
-    """Controlled steps; per step the forward passes of the probe's rows (``ProbeSet.logits``
-    calls), the forecasts (``kl`` calls, less the realized KL's) and the scale of the first."""
-    calls = {"logits": 0, "kl": []}
-    logits, kl = ProbeSet.logits, PredictedKLController.kl
+    """Controlled steps; per step the forward passes of the probe set (``ProbeSet.each_logits``
+    calls, each all of its parts together) and the parts they computed, the forecasts (``kl``
+    calls, less the realized KL's) and the scale of the first."""
+    calls = {"passes": 0, "parts": 0, "kl": []}
+    each_logits, kl = ProbeSet.each_logits, PredictedKLController.kl
 
-    def counting_logits(self, *args):
-        calls["logits"] += 1
-        return logits(self, *args)
+    def counting_each_logits(self, model, consume):
+        calls["passes"] += 1
+
+        def counting_consume(index, logits):
+            calls["parts"] += 1
+            consume(index, logits)
+        return each_logits(self, model, counting_consume)
 
     def counting_kl(self, model, optimizer, probe, scale, base=None):
         calls["kl"].append(scale)
         return kl(self, model, optimizer, probe, scale, base)
 
-    monkeypatch.setattr(ProbeSet, "logits", counting_logits)
+    monkeypatch.setattr(ProbeSet, "each_logits", counting_each_logits)
     monkeypatch.setattr(PredictedKLController, "kl", counting_kl)
     ddp, optimizer, controller = build(realized_interval=realized_interval)
     probe = lm_probe([0, 1, 2, 3], 2)
@@ -115,10 +120,10 @@ def counted_steps(monkeypatch, steps=4, kept=True, realized_interval=1, warm=Tru
             controller.settled_scale = None
         keep = controller.step_logits(probe) if kept else None
         forward_backward(ddp, optimizer, keep)
-        calls.update(logits=0, kl=[])
+        calls.update(passes=0, parts=0, kl=[])
         metrics = controller.step(ddp, optimizer, probe, step_logits=keep)
         forecasts = len(calls["kl"]) - (1 if metrics["kl_realized"] is not None else 0)
-        history.append({**metrics, "forwards": calls["logits"], "forecasts": forecasts,
+        history.append({**metrics, "passes": calls["passes"], "forwards": calls["parts"], "forecasts": forecasts,
                         "first_scale": calls["kl"][0], "length": controller.settled_length})
     state = [p.detach().clone() for p in ddp.parameters()]
     monkeypatch.undo()
@@ -137,6 +142,7 @@ def test_a_controlled_step_costs_one_probe_pass_per_forecast(monkeypatch):
     for ours, today in zip(kept, own):
         assert ours["forwards"] == parts * (ours["forecasts"] + 1), ours
         assert today["forwards"] == parts * (today["forecasts"] + 2), today
+        assert ours["passes"] == ours["forecasts"] + 1 and today["passes"] == today["forecasts"] + 2
         assert ours["forecasts"] == today["forecasts"]
         assert ours["step_scale"] == pytest.approx(today["step_scale"], rel=1e-4)
         assert ours["kl_realized"] == pytest.approx(today["kl_realized"], rel=1e-4)

@@ -78,10 +78,11 @@ vocabulary on this TP rank, ``d`` the head dimension):
   most), and its AdamW direction ``U`` (two sketch-sized temporaries, ``U`` itself held to the
   commit), commits in row blocks (``SR_BLOCK_ELEMENTS`` with ``bf16-sr``).
 - **The KL controller** (``probe``/``linear``): the dense optimizer's fp32 mains before and after
-  its step (held from propose to commit), ``U``, and forward-only probe passes of one probe
-  microbatch each: two microbatches of logits (``old``, ``new``) and the full-vocabulary KL's
-  temporaries, taken over token chunks of ``KL_CHUNK_ELEMENTS`` logits (three fp32 chunk copies;
-  fp64 for ``linear``), no saved activations.
+  its step (held from propose to commit), ``U``, and forward-only passes of the probe (its parts
+  the microbatches of one schedule call): the ``s = 0`` logits' cache of every part, one part's
+  ``new`` logits with its ``old`` ones restored, and the full-vocabulary KL's temporaries, taken
+  over token chunks of ``KL_CHUNK_ELEMENTS`` logits (three fp32 chunk copies; fp64 for
+  ``linear``), no saved activations.
 
 Platforms. ``platform="cuda"`` is what a GPU with the local spec allocates; ``"cpu"`` is what the
 CPU tracker records here: bf16 matrix products are computed in fp32 from widened inputs
@@ -1089,11 +1090,13 @@ class _Step:
         self.timeline.moment(kl_reduction_bytes(tokens, d.vocab, self.settings.kl_control), "probe_bytes")
 
     def _cached_probe(self, parts: int) -> None:
-        """``probe`` mode (training/kl_control.py ``base_logits``, ``kl``): every part's ``s = 0``
-        logits are computed once and a copy of them (the positions the mask counts; here all, the
-        most a part can count) is held through the forecasts; a forecast then runs each part's
-        ``new`` logits and restores its ``old`` ones (a zero-filled part of the logits' size
-        written from the cache) for the KL, freeing both before the next part."""
+        """The forecast (training/kl_control.py ``base_logits``, ``kl``, ``linear_kl``): every
+        part's ``s = 0`` logits are computed once and a copy of them (the positions the mask
+        counts; here all, the most a part can count) is held through the forecasts; a forecast
+        then runs each part's ``new`` logits and, as they come out, takes the KL against the
+        part's ``old`` ones (``probe``: a zero-filled part of the logits' size restored from the
+        cache; ``linear``: the ``new`` logits at the counted positions, as large at most),
+        freeing both before the next part."""
         tl, d = self.timeline, self.dims
         rows, _ = probe_layout(self.settings)
         size = rows * probe_row_tokens(self.settings) * d.vocab * d.e if self.holds_last else 0
@@ -1137,15 +1140,7 @@ class _Step:
         self._probe_count = 0
         self._probe_logits = []
         _, parts = probe_layout(settings)
-        if mode == "probe":
-            self._cached_probe(parts)
-        else:
-            for _ in range(parts):
-                for _side in ("old", "new"):
-                    self._probe_pass()
-                    if len(self._probe_logits) > 2:
-                        tl.free(self._probe_logits.pop(0))
-                self._probe_kl()
+        self._cached_probe(parts)  # probe and linear alike: the s = 0 cache, one moved pass
         for logits in self._probe_logits:
             tl.free(logits)
         tl.phase = "optimizer"

@@ -22,7 +22,9 @@ class PhaseTimer:
     phase name inside the block), ``timer.cpu_seconds`` (the process's CPU time in them, all
     threads: a figure a machine shared with other jobs disturbs less than wall time) and
     ``timer.calls`` (how often each ran). Phases may nest; a nested phase's time is also in its
-    parent's."""
+    parent's, unless the parent is opened ``exclusive`` (then its figure is its own time only,
+    so parts interleaved with each other, like the KL controller's probe forward passes and the
+    divergences computed as each part's logits come out, stay disjoint)."""
 
     def __init__(self, device: Optional[torch.device] = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -30,6 +32,8 @@ class PhaseTimer:
         self.cpu_seconds: Dict[str, float] = {}
         self.calls: Dict[str, int] = {}
         self._outer: Optional[PhaseTimer] = None
+        self._nested: list = []
+        """Per open phase, innermost last: [wall, cpu] seconds of the phases closed inside it."""
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -52,8 +56,9 @@ class PhaseTimer:
 
 
 @contextmanager
-def phase(name: str):
-    """Mark a phase of a step (module docstring)."""
+def phase(name: str, exclusive: bool = False):
+    """Mark a phase of a step (module docstring); ``exclusive``: its time leaves out the phases
+    nested in it (:class:`PhaseTimer`)."""
     timer = _active
     with torch.profiler.record_function(name):
         if timer is None:
@@ -61,8 +66,16 @@ def phase(name: str):
             return
         timer.sync()
         start, cpu_start = time.perf_counter(), time.process_time()
+        timer._nested.append([0.0, 0.0])
         try:
             yield
         finally:
             timer.sync()
-            timer.add(name, time.perf_counter() - start, time.process_time() - cpu_start)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            nested_wall, nested_cpu = timer._nested.pop()
+            if timer._nested:  # tell the enclosing phase
+                timer._nested[-1][0] += wall
+                timer._nested[-1][1] += cpu
+            if exclusive:
+                wall, cpu = wall - nested_wall, cpu - nested_cpu
+            timer.add(name, wall, cpu)

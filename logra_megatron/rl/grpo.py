@@ -271,7 +271,8 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
     ``pack`` the rows are bin-packed as the GRPO passes pack them (at most ``max_tokens`` real
     tokens a part; 0: ``micro_batch_size`` rows' worth), so the probe's forward passes compute
     no padding but filler to a multiple of ``multiple`` tokens (:func:`sequence_multiple`; the
-    padded rows must already be as wide as that: :func:`widen_to_multiple`)."""
+    padded rows must already be as wide as that: :func:`widen_to_multiple`); under a pipeline
+    every packed part is filled to the longest part's length."""
     mask = torch.zeros(len(rows), rollouts.tokens.shape[1], device=rollouts.tokens.device)
     mask[:, :-1] = rollouts.response_mask[rows, 1:].float()
     micro_batch_size = max(1, min(micro_batch_size, len(rows)))
@@ -280,11 +281,17 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
     if pack:
         budget = max_tokens or default_token_budget(micro_batch_size, tokens.shape[1])
         packed, packed_rows = [], []
-        for part in token_bins(attention_mask.sum(dim=1).tolist(), budget):
+        lengths = attention_mask.sum(dim=1).tolist()
+        bins = token_bins(lengths, budget)
+        # Under a pipeline every part is as long as the longest, as the GRPO passes pack theirs
+        # (_packed_microbatches): the parts go through one schedule call together
+        # (ProbeSet.each_logits), whose point-to-point buffers have one shape.
+        common = max(sum(lengths[row] for row in rows) for rows in bins) if parallel.pp_size() > 1 else None
+        for part in bins:
             index = torch.tensor(part, dtype=torch.long, device=tokens.device)
             real_tokens = int(attention_mask[index].sum())
             rows_packed = pack_rows(tokens[index], attention_mask[index],
-                                    pad_to=round_up(real_tokens, multiple))
+                                    pad_to=round_up(common or real_tokens, multiple))
             part_mask = torch.zeros_like(rows_packed.tokens, dtype=mask.dtype)
             real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
             part_mask[0, :rows_packed.real_tokens] = real

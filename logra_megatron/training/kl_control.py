@@ -9,8 +9,10 @@ one controlled step is (docs/ALGORITHM.md, "KL control"):
    few sequences of the current batch), without a copy of the weights:
    ``optimizer.preview(s)`` makes forward passes see ``W + s D`` (LoGRA: a side path of two
    thin matmuls inside each sketching layer; the small dense remainder set in place from its
-   fp32 masters), and the probe rows go through the model one microbatch at a time (packed
-   into token-budget sequences as the GRPO passes are: ``ProbeSet.packed``).
+   fp32 masters). A forward pass of the probe takes its parts (microbatches of rows, or
+   token-budget sequences packed as the GRPO passes pack theirs: ``ProbeSet.packed``) through
+   ONE call of Megatron's schedule, so under a pipeline they fill it together; each part's
+   logits are reduced to its KL as they come out of the last stage (``ProbeSet.each_logits``).
    - ``probe``: the exact KL at ``W + s D``. The ``s = 0`` logits are never recomputed by a
      forecast: the trainer's policy-loss forward keeps them for the probe's rows, which are rows
      of its batch (:class:`StepLogits`, :meth:`PredictedKLController.step_logits`); without
@@ -75,13 +77,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core.utils import get_model_config
 
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.ops.vocab_parallel import masked_half_variance_sum, masked_kl_sum
 from logra_megatron.platform.phases import phase
 from logra_megatron.training.config import KLControlConfig
-from logra_megatron.training.lm import forward_logits, forward_packed_logits
+from logra_megatron.training.lm import model_chunks, stream_logits
 from logra_megatron.training.optimizer import TrainingOptimizer
 
 EXPONENT_SPREAD = 0.25
@@ -159,15 +162,29 @@ class ProbeSet:
             return self.packed_rows[part]
         return torch.arange(self.tokens.shape[0], device=self.mask.device)[part]
 
-    def logits(self, model, part):
-        """Vocab-parallel logits of ``part`` on the last stage (None elsewhere): ``[rows, s, V/tp]``,
-        or ``[1, t, V/tp]`` for a packed part."""
+    def batch(self, part):
+        """``part`` as :func:`~logra_megatron.training.lm.stream_logits` takes it: its packed
+        sequence, its left-padded rows with their mask and positions, or plain causal rows."""
         if self.packed is not None:
-            return forward_packed_logits(model, self.packed[part][0], vocab_size=self.vocab_size)
-        padded = self.attention_mask is not None
-        return forward_logits(model, self.tokens[part], attention_mask=self.attention_mask[part] if padded else None,
-                              position_ids=self.position_ids[part] if padded else None,
-                              vocab_size=self.vocab_size)
+            return self.packed[part][0]
+        if self.attention_mask is None:
+            return self.tokens[part]
+        return self.tokens[part], self.attention_mask[part], self.position_ids[part]
+
+    def logits(self, model, part):
+        """Vocab-parallel logits of ``part`` alone on the last stage (None elsewhere): ``[rows, s, V/tp]``,
+        or ``[1, t, V/tp]`` for a packed part. The controller runs every part together
+        (:meth:`each_logits`); this one-part pass is the reference the tests hold it to."""
+        kept = {}
+        stream_logits(model, [self.batch(part)], kept.__setitem__, self.vocab_size)
+        return kept.get(0)
+
+    def each_logits(self, model, consume) -> None:
+        """Every part's logits from one forward pass of the probe through Megatron's schedule (its
+        parts are the schedule's microbatches, so under PP > 1 they fill the pipeline together):
+        ``consume(index, logits)`` on the last stage, part by part in order, each part's logits
+        dropped after."""
+        stream_logits(model, [self.batch(part) for part in self.parts()], consume, self.vocab_size)
 
 
 class StepLogits:
@@ -389,19 +406,22 @@ class PredictedKLController:
         forward) no forward pass at all: the logits are taken from there."""
         if step_logits is not None:
             return step_logits.base(probe)
+        return self._forward_base(model, optimizer, probe)
+
+    @staticmethod
+    def _forward_base(model, optimizer: TrainingOptimizer, probe: ProbeSet) -> list:
+        """:meth:`base_logits` by one forward pass of the probe at ``W``."""
         with phase("kl_preview"):
             optimizer.preview(0.0)
-        cached = []
-        for part in probe.parts():
-            with phase("kl_probe_forward"):
-                logits = probe.logits(model, part)
-            if logits is None:
-                cached.append(None)
-                continue
-            vocab = logits.shape[-1]
-            keep = (probe.part_mask(part).to(logits.device) != 0).reshape(-1)
-            cached.append((logits.reshape(-1, vocab)[keep], keep, logits.shape))
-            del logits
+        parts = probe.parts()
+        cached = [None] * len(parts)
+
+        def keep(index, logits):
+            counts = (probe.part_mask(parts[index]).to(logits.device) != 0).reshape(-1)
+            cached[index] = (logits.reshape(-1, logits.shape[-1])[counts], counts, logits.shape)
+
+        with phase("kl_probe_forward"):
+            probe.each_logits(model, keep)
         return cached
 
     @staticmethod
@@ -415,6 +435,26 @@ class PredictedKLController:
         full[keep] = rows
         return full.view(shape)
 
+    def _moved_pass(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float, per_part) -> float:
+        """The probe's one forward pass at ``W + scale D``: ``per_part(index, part, logits)`` (a
+        float, summed on the last stage) as each part's logits come out; leaves ``W`` previewed."""
+        parts = probe.parts()
+        total = 0.0
+
+        def measure(index, logits):
+            nonlocal total
+            with phase("kl_divergence"):
+                total += per_part(index, parts[index], logits)
+
+        with phase("kl_preview"):
+            optimizer.preview(scale)
+        # exclusive: the divergences run inside the pass, each as its part's logits come out
+        with phase("kl_probe_forward", exclusive=True):
+            probe.each_logits(model, measure)
+        with phase("kl_preview"):
+            optimizer.preview(0.0)
+        return total
+
     @torch.no_grad()
     def kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet, scale: float,
            base: Optional[list] = None) -> float:
@@ -424,53 +464,33 @@ class PredictedKLController:
         two); without it they are computed here."""
         # Sub-phases (inside kl_forecast or kl_realized; tools/benchmark_step_phases.py): the
         # weights moved to W + s D and back (kl_preview), the probe's forward passes
-        # (kl_probe_forward), the KL of their logits (kl_divergence).
-        total = 0.0
-        if base is not None:
-            with phase("kl_preview"):
-                optimizer.preview(scale)
-        for index, part in enumerate(probe.parts()):
-            if base is None:
-                with phase("kl_preview"):
-                    optimizer.preview(0.0)
-                with phase("kl_probe_forward"):
-                    old = probe.logits(model, part)
-                with phase("kl_preview"):
-                    optimizer.preview(scale)
-            with phase("kl_probe_forward"):
-                new = probe.logits(model, part)
-            with phase("kl_divergence"):
-                if base is not None:
-                    old = None if base[index] is None else self._restore(base[index])
-                if parallel.is_last_stage():
-                    total += masked_kl_sum(old, new, probe.part_mask(part).to(old.device))
-            del old, new
-        with phase("kl_preview"):
-            optimizer.preview(0.0)
-        return self._mean(total, probe)
+        # (kl_probe_forward), the KL of their logits (kl_divergence). Each forward pass takes all
+        # the probe's parts through the schedule together (ProbeSet.each_logits).
+        if base is None:
+            base = self._forward_base(model, optimizer, probe)
+
+        def divergence(index, part, new):
+            return masked_kl_sum(self._restore(base[index]), new, probe.part_mask(part).to(new.device))
+
+        return self._mean(self._moved_pass(model, optimizer, probe, scale, divergence), probe)
 
     @torch.no_grad()
     def linear_kl(self, model, optimizer: TrainingOptimizer, probe: ProbeSet) -> float:
         """The linear forecast of ``KL(p_W || p_{W + D})``: ``0.5 Var_p(dz)`` per token."""
-        total = 0.0
-        for part in probe.parts():  # sub-phases as kl()'s
-            with phase("kl_preview"):
-                optimizer.preview(0.0)
-            with phase("kl_probe_forward"):
-                old = probe.logits(model, part)
-            epsilon = self.config.linear_epsilon
-            if old is not None and old.dtype in (torch.bfloat16, torch.float16):
-                epsilon = BF16_LINEAR_EPSILON
-            with phase("kl_preview"):
-                optimizer.preview(epsilon)
-            with phase("kl_probe_forward"):
-                new = probe.logits(model, part)
-            with phase("kl_divergence"):
-                if parallel.is_last_stage():  # delta = (new - old) / epsilon, taken chunk by chunk
-                    total += masked_half_variance_sum(old, new, epsilon, probe.part_mask(part).to(old.device))
-        with phase("kl_preview"):
-            optimizer.preview(0.0)
-        return self._mean(total, probe)
+        base = self._forward_base(model, optimizer, probe)  # sub-phases as kl()'s
+        epsilon = self.config.linear_epsilon
+        # read from the model's config, the same on every stage (the logits only the last one has)
+        config = get_model_config(model_chunks(model)[0])
+        if config.bf16 or config.fp16:
+            epsilon = BF16_LINEAR_EPSILON
+
+        def half_variance(index, part, new):
+            # on the counted positions only (the cached rows): elsewhere no s = 0 logits are kept
+            old, counts, _ = base[index]
+            mask = probe.part_mask(part).to(new.device).reshape(-1)[counts]
+            return masked_half_variance_sum(old, new.reshape(-1, new.shape[-1])[counts], epsilon, mask)
+
+        return self._mean(self._moved_pass(model, optimizer, probe, epsilon, half_variance), probe)
 
     @staticmethod
     def _mean(total: float, probe: ProbeSet) -> float:

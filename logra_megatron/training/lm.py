@@ -3,8 +3,9 @@
 - :func:`lm_forward_backward`: the next-token language-modeling loss over a global batch split
   into microbatches, forward and backward, agreed on every rank (the smoke job, tests and the
   supervised warm-up).
-- :func:`forward_logits`: vocab-parallel logits, forward only (the KL controller's probes, and
-  the GRPO probe rows of left-padded rollouts).
+- :func:`stream_logits`: vocab-parallel logits, forward only, of several batches through one
+  schedule call, handed out one batch at a time (the KL controller's probes);
+  :func:`forward_logits` and :func:`forward_packed_logits` collect them.
 - :func:`padded_forward`: one model call on a left-padded batch (rollouts), shared with the
   GRPO passes; :func:`packed_forward` the same rows packed without padding.
 - :func:`pipeline_pass`: Megatron's schedule over a list of microbatches, with one model chunk
@@ -172,23 +173,66 @@ def packed_forward(model, packed: PackedRows, vocab_size: int = None) -> torch.T
     return mask_padded_vocab(output, vocab_size) if ends_model(model) else output
 
 
+def _batch_shape(batch) -> tuple:
+    """What the pipeline's point-to-point sends of ``batch`` depend on: (rows, sequence length)."""
+    if isinstance(batch, PackedRows):
+        return 1, batch.tokens.shape[1]
+    tokens = batch[0] if isinstance(batch, tuple) else batch
+    return tokens.shape[0], tokens.shape[1]
+
+
 @torch.no_grad()
+def stream_logits(model, batches: list, consume, vocab_size: int = None) -> int:
+    """Vocab-parallel logits of every batch of ``batches``, forward only, handed to
+    ``consume(index, logits)`` on the last stage as each comes out of the model (so one batch's
+    logits are alive at a time, not all of them). Returns the number of schedule calls.
+
+    A batch is ``tokens`` (plain causal rows, ``[b, s]``), ``(tokens, attention_mask,
+    position_ids)`` (left-padded rows: :func:`padded_forward`) or a :class:`PackedRows`
+    (:func:`packed_forward`); logits ``[b, s, V/tp]`` or ``[1, t, V/tp]``, the vocabulary padding
+    masked with ``vocab_size``. Consecutive batches of one shape go through ONE call of
+    Megatron's schedule, so under a pipeline they fill it together instead of one drained pass
+    each; a new shape starts a new call, since the stages' point-to-point buffers have one shape
+    a call (``rl/grpo.py: probe_set`` pads packed parts to one length under PP for this). With
+    PP = 1 nothing is sent between stages and every batch goes in one call."""
+    device = model_device(model_chunks(model)[0])
+    runs = []  # [(shape, [(index, batch)])]
+    for index, batch in enumerate(batches):
+        shape = _batch_shape(batch)
+        if runs and (runs[-1][0] == shape or parallel.pp_size() == 1):
+            runs[-1][1].append((index, batch))
+        else:
+            runs.append((shape, [(index, batch)]))
+
+    def forward_step(item, model, _):  # (model: one chunk)
+        index, batch = item
+        if isinstance(batch, PackedRows):
+            output = packed_forward(model, batch.to(device), vocab_size)
+        elif isinstance(batch, tuple):
+            output = padded_forward(model, *batch, vocab_size)
+        else:
+            inputs = batch.to(device)
+            output = model(inputs, position_ids_for(inputs), causal_attention_mask(inputs.shape[1], device=device))
+            output = mask_padded_vocab(output, vocab_size) if ends_model(model) else output
+
+        def hand_over(logits):  # the last stage only; the schedule's loss is a zero it discards
+            consume(index, logits.detach())
+            return logits.new_zeros((), dtype=torch.float32), {}
+        return output, hand_over
+
+    for (rows, length), items in runs:
+        pipeline_pass(model, forward_step, items, seq_length=length, micro_batch_size=rows, forward_only=True)
+    return len(runs)
+
+
 def forward_packed_logits(model, packed: PackedRows, vocab_size: int = None):
     """Vocab-parallel logits ``[1, t, V/tp]`` of one packed sequence through the pipeline
     schedule (forward only) on the last stage; ``None`` on other stages."""
-
-    packed = packed.to(model_device(model_chunks(model)[0]))
-
-    def forward_step(batch, model, _):
-        output = packed_forward(model, batch, vocab_size)
-        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
-
-    outputs = pipeline_pass(model, forward_step, [packed], seq_length=packed.tokens.shape[1], micro_batch_size=1,
-                            forward_only=True)
-    return outputs[0]["logits"] if parallel.is_last_stage() else None
+    kept = {}
+    stream_logits(model, [packed], kept.__setitem__, vocab_size)
+    return kept.get(0)
 
 
-@torch.no_grad()
 def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, attention_mask: torch.Tensor = None,
                    position_ids: torch.Tensor = None, vocab_size: int = None):
     """Vocab-parallel logits ``[batch, seq, V/tp]`` of ``tokens`` through the pipeline schedule
@@ -198,23 +242,14 @@ def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, at
     as :class:`~logra_megatron.rollout.types.Rollouts` holds them) each row goes through
     :func:`padded_forward`. With ``vocab_size`` the vocabulary padding is masked.
     """
-    batch, length = tokens.shape
+    batch = tokens.shape[0]
     micro_batch_size = min(micro_batch_size or batch, batch)
     tokens = tokens.to(model_device(model_chunks(model)[0]))
-    causal = causal_attention_mask(length, device=tokens.device) if attention_mask is None else None
     parts = [slice(i, i + micro_batch_size) for i in range(0, batch, micro_batch_size)]
-
-    def forward_step(part, model, _):
-        if causal is not None:
-            inputs = tokens[part]
-            output = model(inputs, position_ids_for(inputs), causal)
-            output = mask_padded_vocab(output, vocab_size) if ends_model(model) else output
-        else:
-            output = padded_forward(model, tokens[part], attention_mask[part], position_ids[part], vocab_size)
-        return output, lambda out: (out.float().sum() * 0, {"logits": out.detach()})
-
-    outputs = pipeline_pass(model, forward_step, parts, seq_length=length, micro_batch_size=micro_batch_size,
-                            forward_only=True)
+    batches = [tokens[part] if attention_mask is None else (tokens[part], attention_mask[part], position_ids[part])
+               for part in parts]
+    kept = {}
+    stream_logits(model, batches, kept.__setitem__, vocab_size)
     if not parallel.is_last_stage():
         return None
-    return torch.cat([item["logits"] for item in outputs], dim=0)
+    return torch.cat([kept[index] for index in range(len(batches))], dim=0)
