@@ -78,3 +78,6 @@ SAMPLES_WITH_TRAINER_WEIGHTS = EngineMemory(own_weights=False)
 """The embedded Megatron engine: its sampling reads the trainer's live weights."""
 KEEPS_ITS_OWN_WEIGHTS = EngineMemory(own_weights=True)
 """An engine on another runtime (any ``RemoteEngine``): the weights are sent to its copy."""
+RESERVES_ONE_KV_CACHE = ReservedKVCache()
+"""vLLM's (``VLLMEngine.memory``): its weights' copy and one KV cache of ``kv_cache_mb`` MiB or
+two of the model's longest sequences."""

@@ -64,7 +64,7 @@ import torch
 
 from logra_megatron import parallel
 from logra_megatron.convert.hf import hf_config_from_model_config
-from logra_megatron.engine_memory import ReservedKVCache
+from logra_megatron.engine_memory import RESERVES_ONE_KV_CACHE
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
@@ -165,7 +165,7 @@ class VLLMEngine(RemoteEngine):
     longest sequences need), ``max_num_seqs`` the most sequences it decodes at once."""
 
     name = "vllm"
-    memory = ReservedKVCache()
+    memory = RESERVES_ONE_KV_CACHE
     """Its weights' copy and a KV cache of one size reserved at start, which :meth:`_start` sizes
     with this declaration (the planner and the trainer's start-up plan read the same)."""
 
