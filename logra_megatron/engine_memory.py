@@ -1,9 +1,10 @@
 """What a rollout engine colocated with the trainer holds on one GPU, declared by the engine.
 
 An engine class names its declaration in its ``memory`` attribute (``MegatronEngine``: it samples
-with the trainer's own weights; ``RemoteEngine``: it keeps a copy of them); the trainer's start-up
-plan reads it through ``rollout/engine.py: engine_memory`` and the planner adds up what it says
-(``planning/state.py``). An engine with another cache layout declares its own ``EngineMemory``
+with the trainer's own weights; ``RemoteEngine``: it keeps a copy of them; ``VLLMEngine``: a copy
+and the one KV cache it reserves, :class:`ReservedKVCache`, which it sizes itself with); the
+trainer's start-up plan and the planner's ``--rollout-engine`` read it through
+``rollout/engine.py: engine_memory`` and the planner adds up what it says (``planning/state.py``). An engine with another cache layout declares its own ``EngineMemory``
 subclass, and no file of the planner changes.
 
 Torch-free and importing nothing of the package, so that the planner (a lower layer than the
