@@ -195,8 +195,12 @@ def test_logra_sketch_bytes_match_the_built_sketches_and_the_accounting():
     assert planned["grad_bytes"] + planned["sketch_bytes"] == accounted.grad_bytes
     assert planned["projection_bytes"] == accounted.projection_bytes > 0
     assert planned["master_bytes"] == accounted.master_weight_bytes > 0
-    steps = ADAM_STEP_BYTES * sum(1 for p in parameter_shapes(settings, 0) if p.sketch_side is None)
-    assert planned["moment_bytes"] == accounted.optimizer_state_bytes + steps
+    # the dense remainder's Adam, step counters included, as both read it from optim/dense_memory.py
+    assert planned["moment_bytes"] == accounted.optimizer_state_bytes
+    # and the dense side: Megatron's Adam over every parameter, the planner's adam row
+    dense, dense_plan = state_bytes(model, settings.logra)["dense"], stage_state(settings.with_changes(optimizer="adam"), 0)
+    assert ((dense.grad_bytes, dense.master_weight_bytes, dense.optimizer_state_bytes)
+            == (dense_plan["grad_bytes"], dense_plan["master_bytes"], dense_plan["moment_bytes"]))
 
 
 def test_kv_cache_engine_weights_and_reference_model():

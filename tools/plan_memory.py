@@ -43,6 +43,7 @@ from logra_megatron.planning.arguments import (GIB, add_arguments, data_parallel
 from logra_megatron.planning.plan import fits, plan_memory, search_layouts  # noqa: E402
 from logra_megatron.planning.state import HOST_COMPONENTS, STATE_COMPONENTS, TRANSIENT_COMPONENTS  # noqa: E402
 from logra_megatron.rl.packing import default_token_budget  # noqa: E402
+from logra_megatron.rollout.engine import ROLLOUT_ENGINES, engine_memory  # noqa: E402
 
 LABELS = {"adam": "dense Adam", "adam-precision-aware": "dense Adam, precision-aware",
           "adam-cpu-offload": "dense Adam, CPU offload", "adam-8bit": "dense Adam, 8-bit moments",
@@ -52,7 +53,7 @@ STEP_PHASES = ("forward_backward", "optimizer", "controller")
 
 def parse_args(argv):
     parser = ArgumentParser(prog="plan_memory", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    add_arguments(parser, rollout_engines=ROLLOUT_ENGINES)
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--plot", metavar="FILE.png", help="draw a stacked bar per GPU by component (matplotlib)")
@@ -66,6 +67,8 @@ def parse_args(argv):
     if not args.max_tokens_per_microbatch:  # 0: the trainer's own default budget (the planner takes it resolved)
         args.max_tokens_per_microbatch = default_token_budget(args.micro_batch_size, args.seq_length)
     args.virtual_pipeline = virtual_pipeline(args)
+    # what the engine declares it holds (a package engine's read without importing it)
+    args.rollout_engine_memory = engine_memory(args.rollout_engine) if args.rollout_engine else None
     return args
 
 

@@ -8,12 +8,15 @@ Two views:
   optimizer.py) sums the tensors an optimizer actually allocated (used by the benchmark, next
   to the process's peak memory, and by the trainer's metrics).
 
-Conventions (Megatron's): gradients are reduced and stored in fp32 (``grad_reduce_in_fp32``);
-Adam holds two fp32 moments; fp32 master weights exist only when parameters are bf16/fp16.
-Counts are per rank (this rank's TP/PP shard).
+Dense Adam's bytes (the dense side, and LoGRA's dense remainder) are Megatron's Adam as
+``optim/dense_memory.py`` declares it (``DENSE_ROWS["adam"]``, which the planner reads too): an
+fp32 gradient buffer (``grad_reduce_in_fp32``), fp32 masters only when the parameters are
+bf16/fp16, two fp32 moments and torch's step counter per parameter. Counts are per rank (this
+rank's TP/PP shard).
 """
 
 from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -21,6 +24,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from logra_megatron.logra import update_memory
 from logra_megatron.logra.config import LogRAConfig
 from logra_megatron.logra.sketch_memory import FP32, LEFT, RIGHT, SketchedWeight
+from logra_megatron.optim.dense_memory import DENSE_ROWS
 
 SKETCHED_SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -68,15 +72,19 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
 
     LoGRA's gradients are the sketches plus the norm probes' samples (``k`` columns or rows per
     sketched weight, for a rule that has them), its optimizer state the dense remainder's Adam
-    moments and what the update rule declares (logra/update_memory.py), its masters the fp32
+    (moments and step) and what the update rule declares (logra/update_memory.py), its masters the fp32
     copies of sketched weights when the weights are low precision and ``--logra-master fp32``."""
     sketchable = {id(module.weight): (name, module, side) for name, module, side in _sketchable(model, logra_config)}
-    master = 0 if next(model.parameters()).dtype == torch.float32 else FP32
-    all_numel = dense_remainder = sketched_numel = sketch_numel = projection_numel = probe_numel = 0
-    for param in model.parameters():
-        all_numel += param.numel()
-        if id(param) not in sketchable:
-            dense_remainder += param.numel()
+    low_precision = next(model.parameters()).dtype != torch.float32
+    master = FP32 if low_precision else 0
+    # Megatron's Adam row reads ``bf16`` of a plan's settings: low-precision weights get fp32 masters.
+    adam = DENSE_ROWS.get("adam")
+    precision = SimpleNamespace(bf16=low_precision)
+    every = [param.numel() for param in model.parameters()]
+    remainder = [param.numel() for param in model.parameters() if id(param) not in sketchable]
+    dense_gpu, _ = adam(precision, sum(every), every)
+    remainder_gpu, _ = adam(precision, sum(remainder), remainder)
+    sketched_numel = sketch_numel = projection_numel = probe_numel = 0
     rule = update_memory.declared_memory(logra_config.update)
     uses_probes = not logra_config.identity_projection and update_memory.uses_norm_probes(rule)
     probes = logra_config.norm_probes if uses_probes else 0
@@ -90,15 +98,17 @@ def state_bytes(model, logra_config: LogRAConfig) -> dict:
         lines += weight.lines
         sketched_numel += weight.master_numel()
     sketched_master = master if logra_config.master == "fp32" else 0
+    # DP reduces the gradient buffer: the dense one, or the remainder's and the sketches with their probes
     dense = StateBytes(
-        grad_bytes=all_numel * FP32, optimizer_state_bytes=2 * all_numel * FP32,
-        master_weight_bytes=all_numel * master, projection_bytes=0,
-        dp_comm_bytes_per_step=all_numel * FP32)
+        grad_bytes=dense_gpu["grad_bytes"], optimizer_state_bytes=dense_gpu["moment_bytes"],
+        master_weight_bytes=dense_gpu["master_bytes"], projection_bytes=0,
+        dp_comm_bytes_per_step=dense_gpu["grad_bytes"])
+    sketch_grads = (sketch_numel + probe_numel) * FP32
     logra = StateBytes(
-        grad_bytes=(dense_remainder + sketch_numel + probe_numel) * FP32,
-        # the dense remainder's Adam moments, and the update rule's state as the rule declares it
-        optimizer_state_bytes=2 * dense_remainder * FP32 + update_memory.state_bytes(rule, sketch_numel, lines),
-        master_weight_bytes=dense_remainder * master + sketched_numel * sketched_master,
+        grad_bytes=remainder_gpu["grad_bytes"] + sketch_grads,
+        # the dense remainder's Adam, and the update rule's state as the rule declares it
+        optimizer_state_bytes=remainder_gpu["moment_bytes"] + update_memory.state_bytes(rule, sketch_numel, lines),
+        master_weight_bytes=remainder_gpu["master_bytes"] + sketched_numel * sketched_master,
         projection_bytes=projection_numel * FP32,
-        dp_comm_bytes_per_step=(dense_remainder + sketch_numel + probe_numel) * FP32)
+        dp_comm_bytes_per_step=remainder_gpu["grad_bytes"] + sketch_grads)
     return {"dense": dense, "logra": logra}

@@ -1,7 +1,8 @@
 """What each dense optimizer holds on one rank, declared here beside the optimizers rather than in
 the planner: the rows of ``tools/plan_memory.py --optimizer`` that are Megatron's dense optimizers
 (and LoGRA's dense remainder, which is Megatron's Adam). The planner (``planning/state.py``) lays
-out the parameters and adds these up; a new dense row is one entry of :data:`DENSE_ROWS` and
+out the parameters and adds these up, and ``logra/accounting.py`` counts a built model's dense
+Adam with the ``adam`` entry; a new dense row is one entry of :data:`DENSE_ROWS` and
 touches no file in ``planning/``.
 
 Each entry is ``row(settings, grad_buffer_numel, mains) -> (gpu, host)``: ``grad_buffer_numel``

@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 from typing import Optional
 
-from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, SAMPLES_WITH_TRAINER_WEIGHTS
+from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, SAMPLES_WITH_TRAINER_WEIGHTS, EngineMemory
 from logra_megatron.errors import UserError
 from logra_megatron.logra.config import MASTER_MODES, UPDATE_RULES, LogRAConfig, add_rank_arguments, rank_settings
 from logra_megatron.models.config import ATTENTION_BACKENDS, PRESETS, ModelConfig, get_preset
@@ -35,8 +35,10 @@ def add_baseline_arguments(parser) -> None:
                              "and masters live on the host (default 1.0)")
 
 
-def add_arguments(parser) -> None:
-    """The planner's flags on an argparse parser (tools/plan_memory.py)."""
+def add_arguments(parser, rollout_engines=None) -> None:
+    """The planner's flags on an argparse parser (tools/plan_memory.py). ``rollout_engines``: the
+    trainer's registry of rollout engines (rollout/engine.py, a layer above the planner, so the
+    caller hands it down), declaring its ``--rollout-engine`` flag here."""
     model = parser.add_argument_group("model")
     source = model.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=tuple(PRESETS), help="a named model (logra_megatron/models/config.py)")
@@ -139,9 +141,17 @@ def add_arguments(parser) -> None:
                          "(each replica holds its share's KV cache); default 0: no rollout engine")
     rl.add_argument("--rollout-max-tokens", type=int, default=None,
                     help="prompt + response tokens per rollout sequence (default: --seq-length)")
-    rl.add_argument("--rollout-engine-weights", choices=("shared", "separate"), default="shared",
-                    help="shared: the engine samples with the trainer's weights (our Megatron engine); "
-                         "separate: it keeps its own bf16 copy, sharded like the trainer")
+    if rollout_engines is not None:
+        # The trainer's flag and registry (rl/config.py RolloutConfig.engine): a package engine or
+        # package.module:Class, planned as its class declares its memory (engine_memory.py).
+        rl.add_argument(rollout_engines.flag, type=rollout_engines.parse, default=None, metavar="ENGINE",
+                        help=rollout_engines.help("the trainer's rollout engine, planned as it declares its memory")
+                        + " (default: megatron, or what --rollout-engine-weights says)")
+    rl.add_argument("--rollout-engine-weights", choices=("shared", "separate"), default=None,
+                    help="without --rollout-engine: shared (default): the engine samples with the trainer's "
+                         "weights (--rollout-engine megatron); separate: it keeps its own bf16 copy, sharded like "
+                         "the trainer, and a KV cache of every sequence in flight; with --rollout-engine, it must "
+                         "agree with the engine's declaration")
 
 
 def load_model(args) -> ModelConfig:
@@ -192,8 +202,22 @@ def rollout_for(args, data_parallel: int) -> RolloutPlan:
         raise UserError(f"--rollout-max-tokens must be >= 1, got {tokens}")
     per_replica = ceil_div(args.rollout_sequences, data_parallel)
     return RolloutPlan(sequences_in_flight=per_replica, max_tokens=tokens if per_replica else 0,
-                       dtype_bytes=2, engine=KEEPS_ITS_OWN_WEIGHTS if args.rollout_engine_weights == "separate"
-                       else SAMPLES_WITH_TRAINER_WEIGHTS)
+                       dtype_bytes=2, engine=engine_of(args))
+
+
+def engine_of(args) -> EngineMemory:
+    """The rollout engine's memory declaration: ``args.rollout_engine_memory``, what the engine
+    ``--rollout-engine`` names declares (resolved by tools/plan_memory.py), else the one
+    ``--rollout-engine-weights`` stands for; the two flags must agree on the engine's own weights."""
+    declared: Optional[EngineMemory] = getattr(args, "rollout_engine_memory", None)
+    weights = getattr(args, "rollout_engine_weights", None)
+    if declared is None:
+        return KEEPS_ITS_OWN_WEIGHTS if weights == "separate" else SAMPLES_WITH_TRAINER_WEIGHTS
+    if weights is not None and (weights == "separate") != declared.own_weights:
+        holds = "keeps its own copy of the weights" if declared.own_weights else "samples with the trainer's weights"
+        raise UserError(f"--rollout-engine-weights {weights} contradicts --rollout-engine {args.rollout_engine}, "
+                        f"which {holds}; give one of the two")
+    return declared
 
 
 def settings_from_args(args, optimizer: Optional[str] = None) -> PlanSettings:

@@ -459,7 +459,7 @@ def rollout_bytes(settings: PlanSettings, stage: int) -> int:
     return rollout.engine.bytes(layers=len(stage_layers(settings, stage)),
                                 kv_heads=model.kv_heads // settings.tensor_parallel, kv_channels=model.kv_channels,
                                 sequences=rollout.sequences_in_flight, max_tokens=rollout.max_tokens,
-                                dtype_bytes=rollout.dtype_bytes,
+                                model_max_tokens=model.max_seq, dtype_bytes=rollout.dtype_bytes,
                                 weight_numel=sum(p.numel for p in parameter_shapes(settings, stage)))
 
 

@@ -7,16 +7,25 @@ the trainer's own model (the embedded Megatron KV-cache generator) are interchan
 
 Every rank of a model replica calls both methods with the same arguments (collective over the
 replica's tensor- and pipeline-parallel groups); data-parallel replicas call them independently.
+
+Torch-free to import (the types of the interface are read for annotations only), so that the
+planner's command line takes ``--rollout-engine`` and reads a package engine's memory without
+loading torch (tools/plan_memory.py).
 """
 
+from __future__ import annotations
+
+import importlib
 import importlib.util
 import inspect
-from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Dict, Optional, Protocol, Sequence, runtime_checkable
 
 from logra_megatron.engine_memory import KEEPS_ITS_OWN_WEIGHTS, EngineMemory
 from logra_megatron.errors import UserError
-from logra_megatron.rollout.types import Rollouts, SamplingConfig
 from logra_megatron.registry import Registry
+
+if TYPE_CHECKING:
+    from logra_megatron.rollout.types import Rollouts, SamplingConfig
 
 
 @runtime_checkable
@@ -49,10 +58,14 @@ ROLLOUT_ENGINES = Registry("rollout engine", "--rollout-engine", accepts=_is_eng
 samples from ``model``. Named by path, not imported here: the config schema reads the names, and
 only the chosen engine's module (and its dependencies, vLLM for instance) is ever imported. Outside
 code comes by ``package.module:Class``. ``requires``: (the Python package it needs, how to install
-it), checked without importing it."""
+it), checked without importing it. ``memory``: the ``"module:attr"`` of the engine's memory
+declaration, the object its class's ``memory`` attribute is (engine_memory.py), read without
+importing the engine's module (:func:`engine_memory`)."""
 ROLLOUT_ENGINES.register("megatron", "logra_megatron.rollout.megatron_engine:MegatronEngine",
+                         memory="logra_megatron.engine_memory:SAMPLES_WITH_TRAINER_WEIGHTS",
                          help="KV-cache generation on the trainer's own model")
 ROLLOUT_ENGINES.register("vllm", "logra_megatron.rollout.vllm_engine:VLLMEngine",
+                         memory="logra_megatron.engine_memory:RESERVES_ONE_KV_CACHE",
                          help="a vLLM engine on each replica's first rank, in-process in a one-process job, sent the "
                               "weights after every step; pip install -e .[rollout]; on CPU a preset's heads narrower "
                               "than 32 are widened to 32",
@@ -77,8 +90,14 @@ def check_engine_available(name: str) -> None:
 def engine_memory(name: str) -> EngineMemory:
     """What engine ``name`` declares it holds beside the trainer (its class's ``memory``,
     engine_memory.py); an engine that declares nothing is planned with its own copy of the weights.
-    Imports the engine's module, not what it runs on."""
-    return getattr(ROLLOUT_ENGINES.get(name), "memory", KEEPS_ITS_OWN_WEIGHTS)
+    A package engine's declaration is read through its registry line (``memory=``), without
+    importing the engine; outside code's by importing its module, not what it runs on."""
+    entry = ROLLOUT_ENGINES.declared(name)
+    path = entry.info.get("memory") if entry is not None else None
+    if path is None:
+        return getattr(ROLLOUT_ENGINES.get(name), "memory", KEEPS_ITS_OWN_WEIGHTS)
+    module, attr = path.split(":", 1)
+    return getattr(importlib.import_module(module), attr)
 
 
 def engine_syncs_low_rank(name: str) -> bool:

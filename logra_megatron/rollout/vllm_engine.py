@@ -57,12 +57,14 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import List, Optional, Sequence
 
 import torch
 
 from logra_megatron import parallel
 from logra_megatron.convert.hf import hf_config_from_model_config
+from logra_megatron.engine_memory import RESERVES_ONE_KV_CACHE
 from logra_megatron.errors import UserError
 from logra_megatron.models.build import unwrap_model
 from logra_megatron.models.config import ModelConfig
@@ -159,19 +161,25 @@ class VLLMEngine(RemoteEngine):
     ``model_config`` is the policy's :class:`ModelConfig` (needed to build the engine);
     ``vocab_size`` the real vocabulary (default: the first ``generate`` call's
     ``SamplingConfig.vocab_size``, else the model's padded one). ``kv_cache_mb`` is the engine's
-    KV-cache memory (raised to what one longest sequence needs), ``max_num_seqs`` the most
-    sequences it decodes at once."""
+    KV-cache memory (default: its declaration's, :attr:`memory`; raised to what two of the model's
+    longest sequences need), ``max_num_seqs`` the most sequences it decodes at once."""
 
     name = "vllm"
+    memory = RESERVES_ONE_KV_CACHE
+    """Its weights' copy and a KV cache of one size reserved at start, which :meth:`_start` sizes
+    with this declaration (the planner and the trainer's start-up plan read the same)."""
 
     # The options are named one by one: build_rollout_engine hands an engine the options its
     # constructor's signature names.
     def __init__(self, model, model_config: Optional[ModelConfig] = None, vocab_size: Optional[int] = None,
-                 sync_bucket_mb: int = 512, kv_cache_mb: int = 256, max_num_seqs: int = 256,
+                 sync_bucket_mb: int = 512, kv_cache_mb: Optional[int] = None, max_num_seqs: int = 256,
                  optimizer=None, policy_sync: str = "full", full_sync_interval: int = 10):
         super().__init__(model, model_config=model_config, vocab_size=vocab_size, sync_bucket_mb=sync_bucket_mb,
                          optimizer=optimizer, policy_sync=policy_sync, full_sync_interval=full_sync_interval)
-        self.kv_cache_mb = kv_cache_mb
+        if kv_cache_mb is not None:
+            if kv_cache_mb < 1:
+                raise UserError(f"the vLLM engine's kv_cache_mb must be >= 1, got {kv_cache_mb}")
+            self.memory = replace(self.memory, kv_cache_mb=kv_cache_mb)
         self.max_num_seqs = max_num_seqs
         self._folder: Optional[str] = None
 
@@ -219,8 +227,9 @@ class VLLMEngine(RemoteEngine):
         with open(os.path.join(self._folder, "config.json"), "w") as handle:
             json.dump(config, handle, indent=2, sort_keys=True)
         max_len = unwrap_model(self.model).max_sequence_length
-        per_token = 2 * model.layers * model.kv_heads * model.kv_channels * dtype.itemsize
-        kv_bytes = max(self.kv_cache_mb * MIB, 2 * per_token * max_len)
+        kv_bytes = self.memory.reserved_bytes(layers=model.layers, kv_heads=model.kv_heads,
+                                              kv_channels=model.kv_channels, model_max_tokens=max_len,
+                                              dtype_bytes=dtype.itemsize)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (it guards its own thread binding); the trainer keeps the real one.
         set_num_threads = torch.set_num_threads

@@ -7,19 +7,37 @@ Its worker runs in a process of its own (spawned, talked to through a pipe) and 
 tokens from the weights it was sent (echo_worker.py), so a test can tell whether a sync arrived
 and whether every rank of the replica got the rows the engine's rank sampled. Where it runs,
 the gather to Hugging Face names, the buckets, the shared-memory file, the low-rank sync and the
-broadcast are all RemoteEngine's (logra_megatron/rollout/remote_engine.py).
+broadcast are all RemoteEngine's (logra_megatron/rollout/remote_engine.py). What it holds beside
+the trainer it declares in ``memory`` (logra_megatron/engine_memory.py), which the planner reads by
+flag (``tools/plan_memory.py --rollout-engine echo_engine:EchoEngine``).
 """
 
 import multiprocessing
+from dataclasses import dataclass
 
 from echo_worker import serve
 
+from logra_megatron.engine_memory import EngineMemory
 from logra_megatron.rollout.remote_engine import RemoteEngine
+
+
+@dataclass(frozen=True)
+class PagedKVCache(EngineMemory):
+    """A cache laid out in pages of ``page_tokens`` tokens: each sequence in flight takes whole
+    pages (the layout a paged engine has; not the package's, so a plan of it shows the planner
+    read this declaration)."""
+
+    page_tokens: int = 64
+
+    def cache_bytes(self, *, layers, kv_heads, kv_channels, sequences, max_tokens, model_max_tokens, dtype_bytes):
+        pages = -(-max_tokens // self.page_tokens)
+        return self.kv_cache_bytes(layers, kv_heads, kv_channels, sequences * pages * self.page_tokens, dtype_bytes)
 
 
 class EchoEngine(RemoteEngine):
     name = "echo"
     in_process_allowed = False  # always its own process: the path a real engine's tensors take
+    memory = PagedKVCache()
 
     def _start(self, model, dtype):
         context = multiprocessing.get_context("spawn")  # a forked child would hold the trainer's groups
