@@ -15,6 +15,7 @@ from logra_megatron.models.config import get_preset
 from logra_megatron.planning.activations import activation_bytes
 from logra_megatron.planning.settings import PlanSettings
 from logra_megatron.planning.validate import COMPONENT_BOUND, PEAK_BOUND
+from logra_megatron.platform.memory import collective_frees, replay_allocations
 
 COMBOS = ("adam_fp32", "adam_bf16", "logra_fp32", "logra_bf16")
 LAYOUTS = {"tp2pp2": 4, "dp2dist": 2}
@@ -111,3 +112,25 @@ def test_full_recompute_of_a_stages_last_layer_under_the_pipeline(platform, laye
     # the CPU keeps the sent outputs of stage 0's microbatches in flight (CUDA frees their data)
     cpu, cuda = activation_bytes(settings, 0, "cpu"), activation_bytes(settings, 0, "cuda")
     assert cpu["pipeline_buffers_bytes"] > cuda["pipeline_buffers_bytes"], (cpu, cuda)
+
+
+def test_the_cpu_replay_frees_a_collectives_copy_its_worker_released_unseen():
+    # As measured at dp2dist (adam bf16, rank 1): gloo's coalesced reduce-scatter clones the
+    # gradient buffer on the caller's thread (inside its c10d op) and all-reduces the copy on a
+    # worker; when the worker drops the Work last, the profiler never sees the copy freed. The
+    # replay frees it when the worker's run ends, so a later, smaller peak is not raised by it.
+    dispatches = [(10, False), (50, True), (100, False)]  # an all-reduce, a send (inline), the reduce-scatter
+    runs = [(12, 20), (105, 150)]  # the workers' runs of the two non-inline ops
+    copy = (101, 800, 0xA0, 2)  # allocated inside the reduce-scatter's op, its free unseen
+    later = [(200, 300, 0xB0, None), (210, -300, 0xB0, None)]  # the step's later peak
+    frees = collective_frees([copy] + later, dispatches, runs)
+    assert frees == [(150, -800, 0xA0)]
+    events = [item[:3] for item in [copy] + later]
+    assert replay_allocations(events + frees) == (800, 0)
+    assert replay_allocations(events) == (1100, 800)  # without it: the copy counted to the end
+    # a free the profiler saw is not freed twice, and a block outside any collective is the
+    # caller's own: kept
+    seen = [copy, (160, -800, 0xA0, None)]
+    assert collective_frees(seen, dispatches, runs) == []
+    mine = (101, 800, 0xA0, None)
+    assert collective_frees([mine], dispatches, runs) == []

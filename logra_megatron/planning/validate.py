@@ -37,9 +37,12 @@ from logra_megatron.planning.settings import PlanSettings
 COMPONENT_BOUND = 0.05
 PEAK_BOUND = 0.10
 TRACKED_STEPS = 4
-# The smallest of identical tracked steps is kept (``measure_settings``): on a loaded machine a
-# gloo thread drops the last reference of a collective's buffer unseen by the CPU tracker more
-# often, and with 2 steps both were hit in CI (dp2dist adam_bf16: +0.8 MB on a 1.0 MB plan).
+# The smallest of identical tracked steps is kept (``measure_settings``): a caller's tensor that
+# a collective's Work outlives (a TP all-reduce's) is freed unseen by the CPU tracker when a gloo
+# worker releases it, and stays counted unless its address is reused. A collective's own copy
+# freed that way (gloo's reduce-scatter clone, dp2dist adam_bf16: +0.8 MB on a 1.0 MB plan in 2
+# runs out of 3 on a loaded machine) is freed by the replay when the worker's run ends
+# (platform/memory.py: collective_frees), whatever the timing.
 MEASURED_COMPONENTS = ("weight_bytes", "master_bytes", "grad_bytes", "sketch_bytes", "norm_probe_bytes",
                        "moment_bytes", "projection_bytes", "controller_extra_bytes")
 """The state components a training run holds (a reference model and a rollout engine are not
@@ -143,8 +146,8 @@ def measure_settings(settings: PlanSettings, steps: int, seed: int = 1234, track
     for _ in range(steps):
         step()
     # Several tracked steps: on the CPU a replay can only gain bytes it did not see freed (a
-    # gloo thread's frees whose address was not reused, platform/memory.py), so the smallest of
-    # identical steps is the closest.
+    # caller's tensor a gloo worker released, its address not reused, platform/memory.py), so
+    # the smallest of identical steps is the closest.
     peaks = []
     for _ in range(tracked_steps):
         gc.collect()
