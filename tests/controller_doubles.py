@@ -44,3 +44,22 @@ class SizedProposal(Proposal):
 
     def proposed_step_norm(self):
         return self.norms[self.step]
+
+
+def count_probe_passes(monkeypatch, calls: dict) -> None:
+    """Count in ``calls`` the probe's forward passes (``"passes"``: ``ProbeSet.each_logits``
+    calls, each taking all of a probe's parts through the schedule together) and the parts they
+    computed (``"parts"``)."""
+    from logra_megatron.training.kl_control import ProbeSet
+
+    each_logits = ProbeSet.each_logits
+
+    def counting_each_logits(self, model, consume):
+        calls["passes"] += 1
+
+        def counting_consume(index, logits):
+            calls["parts"] += 1
+            consume(index, logits)
+        return each_logits(self, model, counting_consume)
+
+    monkeypatch.setattr(ProbeSet, "each_logits", counting_each_logits)

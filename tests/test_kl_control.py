@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from controller_doubles import count_probe_passes
 from logra_megatron import parallel
 from logra_megatron.errors import UserError
 from logra_megatron.logra import LogRAConfig
@@ -280,21 +281,13 @@ def counted_run(monkeypatch, cached: bool, held_out=None, steps=3):
     the first and the refinements, less the realized KL's). ``cached=False`` is the controller
     as it was: the ``s = 0`` logits recomputed by every forecast."""
     calls = {"passes": 0, "parts": 0, "kl": 0}
-    each_logits, kl = ProbeSet.each_logits, PredictedKLController.kl
-
-    def counting_each_logits(self, model, consume):
-        calls["passes"] += 1
-
-        def counting_consume(index, logits):
-            calls["parts"] += 1
-            consume(index, logits)
-        return each_logits(self, model, counting_consume)
+    kl = PredictedKLController.kl
 
     def counting_kl(self, *args, **kwargs):
         calls["kl"] += 1
         return kl(self, *args, **kwargs)
 
-    monkeypatch.setattr(ProbeSet, "each_logits", counting_each_logits)
+    count_probe_passes(monkeypatch, calls)
     monkeypatch.setattr(PredictedKLController, "kl", counting_kl)
     if not cached:
         monkeypatch.setattr(PredictedKLController, "base_logits", lambda *args: None)

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from controller_doubles import NoLogits, Proposal
+from controller_doubles import NoLogits, Proposal, count_probe_passes
 
 from logra_megatron import parallel
 from logra_megatron.logra import LogRAConfig
@@ -96,21 +96,13 @@ def counted_steps(monkeypatch, steps=4, kept=True, realized_interval=1, warm=Tru
     calls, each all of its parts together) and the parts they computed, the forecasts (``kl``
     calls, less the realized KL's) and the scale of the first."""
     calls = {"passes": 0, "parts": 0, "kl": []}
-    each_logits, kl = ProbeSet.each_logits, PredictedKLController.kl
-
-    def counting_each_logits(self, model, consume):
-        calls["passes"] += 1
-
-        def counting_consume(index, logits):
-            calls["parts"] += 1
-            consume(index, logits)
-        return each_logits(self, model, counting_consume)
+    kl = PredictedKLController.kl
 
     def counting_kl(self, model, optimizer, probe, scale, base=None):
         calls["kl"].append(scale)
         return kl(self, model, optimizer, probe, scale, base)
 
-    monkeypatch.setattr(ProbeSet, "each_logits", counting_each_logits)
+    count_probe_passes(monkeypatch, calls)
     monkeypatch.setattr(PredictedKLController, "kl", counting_kl)
     ddp, optimizer, controller = build(realized_interval=realized_interval)
     probe = lm_probe([0, 1, 2, 3], 2)
