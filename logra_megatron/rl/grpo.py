@@ -85,6 +85,14 @@ def _microbatches(rollouts: Rollouts, micro_batch_size: int, extra: dict, device
         }
 
 
+def packed_lengths(real_tokens: list, multiple: int) -> list:
+    """The length each packed microbatch is filled to, from its real tokens: under a pipeline the
+    longest one's (the stages exchange activations of one shape in a schedule call), rounded up
+    to ``multiple`` (:func:`sequence_multiple`: sequence parallelism splits it over TP)."""
+    common = max(real_tokens) if parallel.pp_size() > 1 else None
+    return [round_up(common or total, multiple) for total in real_tokens]
+
+
 def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict, device: torch.device):
     """The batch's rows bin-packed into microbatches of at most ``max_tokens`` real tokens, each
     with its rows' padded tensors (for the loss), their indices (``rows``) and the packed
@@ -92,12 +100,7 @@ def _packed_microbatches(model, rollouts: Rollouts, max_tokens: int, extra: dict
     stages exchange activations of one shape); with sequence parallelism to a multiple of TP."""
     lengths = rollouts.attention_mask.sum(dim=1).tolist()
     bins = token_bins(lengths, max_tokens)
-    multiple = sequence_multiple(model)
-    totals = [sum(lengths[row] for row in rows) for rows in bins]
-    pad_to = [None] * len(bins)
-    if parallel.pp_size() > 1 or multiple > 1:
-        common = max(totals) if parallel.pp_size() > 1 else None
-        pad_to = [round_up(common or total, multiple) for total in totals]
+    pad_to = packed_lengths([sum(lengths[row] for row in rows) for rows in bins], sequence_multiple(model))
     for rows, length in zip(bins, pad_to):
         index = torch.tensor(rows, dtype=torch.long, device=rollouts.tokens.device)
         batch = {
@@ -283,15 +286,11 @@ def probe_set(rollouts: Rollouts, rows: torch.Tensor, micro_batch_size: int, voc
         packed, packed_rows = [], []
         lengths = attention_mask.sum(dim=1).tolist()
         bins = token_bins(lengths, budget)
-        # Under a pipeline every part is as long as the longest, as the GRPO passes pack theirs
-        # (_packed_microbatches): the parts go through one schedule call together
-        # (ProbeSet.each_logits), whose point-to-point buffers have one shape.
-        common = max(sum(lengths[row] for row in rows) for rows in bins) if parallel.pp_size() > 1 else None
-        for part in bins:
+        # the parts go through one schedule call together (ProbeSet.each_logits)
+        fills = packed_lengths([sum(lengths[row] for row in rows) for rows in bins], multiple)
+        for part, fill in zip(bins, fills):
             index = torch.tensor(part, dtype=torch.long, device=tokens.device)
-            real_tokens = int(attention_mask[index].sum())
-            rows_packed = pack_rows(tokens[index], attention_mask[index],
-                                    pad_to=round_up(common or real_tokens, multiple))
+            rows_packed = pack_rows(tokens[index], attention_mask[index], pad_to=fill)
             part_mask = torch.zeros_like(rows_packed.tokens, dtype=mask.dtype)
             real = mask[index][rows_packed.rows, rows_packed.slots] * rows_packed.predicts
             part_mask[0, :rows_packed.real_tokens] = real

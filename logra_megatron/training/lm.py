@@ -5,7 +5,7 @@
   supervised warm-up).
 - :func:`stream_logits`: vocab-parallel logits, forward only, of several batches through one
   schedule call, handed out one batch at a time (the KL controller's probes);
-  :func:`forward_logits` and :func:`forward_packed_logits` collect them.
+  :func:`forward_logits` collects them.
 - :func:`padded_forward`: one model call on a left-padded batch (rollouts), shared with the
   GRPO passes; :func:`packed_forward` the same rows packed without padding.
 - :func:`pipeline_pass`: Megatron's schedule over a list of microbatches, with one model chunk
@@ -182,10 +182,10 @@ def _batch_shape(batch) -> tuple:
 
 
 @torch.no_grad()
-def stream_logits(model, batches: list, consume, vocab_size: int = None) -> int:
+def stream_logits(model, batches: list, consume, vocab_size: int = None) -> None:
     """Vocab-parallel logits of every batch of ``batches``, forward only, handed to
     ``consume(index, logits)`` on the last stage as each comes out of the model (so one batch's
-    logits are alive at a time, not all of them). Returns the number of schedule calls.
+    logits are alive at a time, not all of them).
 
     A batch is ``tokens`` (plain causal rows, ``[b, s]``), ``(tokens, attention_mask,
     position_ids)`` (left-padded rows: :func:`padded_forward`) or a :class:`PackedRows`
@@ -203,6 +203,7 @@ def stream_logits(model, batches: list, consume, vocab_size: int = None) -> int:
             runs[-1][1].append((index, batch))
         else:
             runs.append((shape, [(index, batch)]))
+    causal_masks = {}  # sequence length -> its causal mask, built once for every plain batch of that length
 
     def forward_step(item, model, _):  # (model: one chunk)
         index, batch = item
@@ -212,7 +213,10 @@ def stream_logits(model, batches: list, consume, vocab_size: int = None) -> int:
             output = padded_forward(model, *batch, vocab_size)
         else:
             inputs = batch.to(device)
-            output = model(inputs, position_ids_for(inputs), causal_attention_mask(inputs.shape[1], device=device))
+            length = inputs.shape[1]
+            if length not in causal_masks:
+                causal_masks[length] = causal_attention_mask(length, device=device)
+            output = model(inputs, position_ids_for(inputs), causal_masks[length])
             output = mask_padded_vocab(output, vocab_size) if ends_model(model) else output
 
         def hand_over(logits):  # the last stage only; the schedule's loss is a zero it discards
@@ -222,15 +226,6 @@ def stream_logits(model, batches: list, consume, vocab_size: int = None) -> int:
 
     for (rows, length), items in runs:
         pipeline_pass(model, forward_step, items, seq_length=length, micro_batch_size=rows, forward_only=True)
-    return len(runs)
-
-
-def forward_packed_logits(model, packed: PackedRows, vocab_size: int = None):
-    """Vocab-parallel logits ``[1, t, V/tp]`` of one packed sequence through the pipeline
-    schedule (forward only) on the last stage; ``None`` on other stages."""
-    kept = {}
-    stream_logits(model, [packed], kept.__setitem__, vocab_size)
-    return kept.get(0)
 
 
 def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int = None, attention_mask: torch.Tensor = None,
